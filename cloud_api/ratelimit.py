@@ -1,0 +1,139 @@
+"""Per-key rate limiting (``limits`` moving window, in-memory storage).
+
+Two budgets per key, both over a moving window of ``window_s`` seconds (60 in
+production, so ``ApiKey.rpm``/``tpm`` are per minute):
+
+* requests — charged by :func:`ratelimit_middleware` on every authenticated request;
+* verified tokens — charged by handlers via ``request["ratelimiter"].consume_tokens(
+  request["api_key"], n)``, which also charges the key's total quota when the
+  limiter was built with ``store=``.
+
+Responses: every authenticated response carries ``x-ratelimit-limit``,
+``x-ratelimit-remaining`` and ``x-ratelimit-reset`` (seconds until a slot frees,
+integer).  Over a limit -> 429 ``rate_limited`` / ``token_rate_limited`` with
+``retry-after`` (seconds); quota exhausted -> 403 ``quota_exceeded`` (do not retry).
+State is per process; use a shared ``limits`` storage for several workers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+from limits import RateLimitItemPerSecond
+from limits.storage import MemoryStorage, Storage
+from limits.strategies import MovingWindowRateLimiter
+
+from cloud_api.auth import error_response
+from cloud_api.keys import ApiKey, KeyStore, QuotaExceeded
+
+__all__ = ["LimitState", "RateLimitExceeded", "RateLimiter", "ratelimit_middleware"]
+
+
+@dataclass(frozen=True)
+class LimitState:
+    """Window snapshot: ``limit`` per window, ``remaining`` units, ``reset_s`` seconds."""
+
+    limit: int
+    remaining: int
+    reset_s: float
+    allowed: bool = True
+
+    def headers(self) -> dict[str, str]:
+        h = {"x-ratelimit-limit": str(self.limit),
+             "x-ratelimit-remaining": str(max(0, self.remaining)),
+             "x-ratelimit-reset": str(math.ceil(self.reset_s))}
+        if not self.allowed:
+            h["retry-after"] = str(max(1, math.ceil(self.reset_s)))
+        return h
+
+
+class RateLimitExceeded(Exception):
+    """Raised by :meth:`RateLimiter.consume_tokens`; carries the window ``state``."""
+
+    def __init__(self, state: LimitState, code: str = "token_rate_limited"):
+        super().__init__(code)
+        self.state, self.code = state, code
+
+
+class RateLimiter:
+    """Moving-window limiter keyed by ``ApiKey.key_id``.
+
+    Args:
+        window_s: window length in seconds (limits are ``rpm``/``tpm`` per window).
+        storage: a ``limits`` storage (default: in-memory).
+        store: key store for total-quota accounting in :meth:`consume_tokens`.
+    """
+
+    def __init__(self, *, window_s: int = 60, storage: Storage | None = None,
+                 store: KeyStore | None = None):
+        self.window_s, self.store = int(window_s), store
+        self._lim = MovingWindowRateLimiter(storage or MemoryStorage())
+
+    def _item(self, amount: int, ns: str) -> RateLimitItemPerSecond:
+        return RateLimitItemPerSecond(amount, self.window_s, namespace=ns)
+
+    def _state(self, item, key_id: str, allowed: bool) -> LimitState:
+        stats = self._lim.get_window_stats(item, key_id)
+        return LimitState(item.amount, stats.remaining,
+                          max(0.0, stats.reset_time - time.time()), allowed)
+
+    def hit_request(self, key: ApiKey) -> LimitState:
+        """Charge one request; returned state has ``allowed=False`` when over ``rpm``."""
+        item = self._item(key.rpm, "sr-req")
+        return self._state(item, key.key_id, self._lim.hit(item, key.key_id))
+
+    def consume_tokens(self, key: ApiKey, n: int) -> LimitState:
+        """Charge ``n`` verified tokens against ``tpm`` (and the quota, if a store is set).
+
+        Raises:
+            RateLimitExceeded: the window cannot absorb ``n`` now (nothing charged).
+            QuotaExceeded: total quota would be exceeded (nothing charged).
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        item = self._item(key.tpm, "sr-tok")
+        if n == 0:
+            return self._state(item, key.key_id, True)
+        if not self._lim.test(item, key.key_id, cost=n):
+            raise RateLimitExceeded(self._state(item, key.key_id, False))
+        if self.store is not None:
+            self.store.record_usage(key.key_id, n)
+        self._lim.hit(item, key.key_id, cost=n)
+        return self._state(item, key.key_id, True)
+
+
+def ratelimit_middleware(limiter: RateLimiter):
+    """aiohttp middleware; place it after ``auth_middleware``.
+
+    Requests without ``request["api_key"]`` (public paths) pass unmetered.
+    Exposes ``request["ratelimiter"]`` and maps :class:`RateLimitExceeded` /
+    :class:`QuotaExceeded` raised by handlers to 429 / 403.
+    """
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        key: ApiKey | None = request.get("api_key")
+        if key is None:
+            return await handler(request)
+        if key.quota is not None and key.used_tokens >= key.quota:
+            return error_response(403, "quota_exceeded", "token quota exhausted")
+        state = limiter.hit_request(key)
+        if not state.allowed:
+            return error_response(429, "rate_limited", "too many requests", state.headers())
+        request["ratelimiter"] = limiter
+        try:
+            resp = await handler(request)
+        except RateLimitExceeded as exc:
+            return error_response(429, exc.code, "verified-token rate limit exceeded",
+                                  exc.state.headers())
+        except QuotaExceeded:
+            return error_response(403, "quota_exceeded", "token quota exhausted")
+        if not resp.prepared:
+            resp.headers.update(state.headers())
+        return resp
+
+    return middleware
