@@ -1,0 +1,221 @@
+"""aiohttp application: the signed verification API (SPEC §2).
+
+Routes:
+    POST   /v1/sessions                    create a session, prefill the target KV cache
+    POST   /v1/sessions/{id}/verify        verify one draft block (msgpack array)
+    POST   /v1/sessions/{id}/correction    larger top-K support or the full p of the
+                                           block awaiting its correction token
+    GET    /v1/sessions/{id}               confirmed state (JSON)
+    DELETE /v1/sessions/{id}
+    GET    /healthz
+Every bad input gets a 4xx JSON body ``{"error": {"code", "message", "field"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from aiohttp import web
+
+from cloud_api.batcher import VerifyQueue
+from cloud_api.sessions import ApiError, Session, SessionStore
+from cloud_api.verifier import Verifier
+from edge_sdk.kvmodel import KVModel
+from edge_sdk.models import encode_prompt, eos_ids, tokenizer_fingerprint
+from edge_sdk.protocol import wire
+
+log = logging.getLogger("specrelay.cloud")
+MSGPACK = "application/x-msgpack"
+SERVICE = web.AppKey("service", object)
+
+
+def _json_error(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """ApiError/WireError -> 4xx JSON; aiohttp's own 4xx -> JSON; nothing leaks a 500
+    for bad input."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return _json_error(e)
+    except wire.WireError as e:
+        return _json_error(ApiError(400, "bad_request", e.message, e.field))
+    except web.HTTPRequestEntityTooLarge:
+        return _json_error(ApiError(413, "body_too_large", "request body too large", "body"))
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return _json_error(ApiError(e.status, e.reason.lower().replace(" ", "_"),
+                                        e.reason))
+        raise
+
+
+class CloudService:
+    """Owns the target model, the sessions and the verification queue."""
+
+    def __init__(self, model, tokenizer, *, max_block: int = 8, max_batch: int = 8,
+                 max_wait_s: float = 0.002, session_ttl_s: float = 600.0,
+                 max_sessions: int = 256, threads: int | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.verifier = Verifier(model, max_block)
+        self.sessions = SessionStore(session_ttl_s, max_sessions)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")
+        self.queue = VerifyQueue(self.verifier, self.executor, max_batch, max_wait_s)
+        self.eos = eos_ids(model, tokenizer)
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.threads = threads
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    async def start(self, app=None) -> None:
+        if self.threads:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, torch.set_num_threads, self.threads)
+        self.queue.start()
+
+    async def stop(self, app=None) -> None:
+        await self.queue.stop()
+        self.executor.shutdown(wait=True)
+
+    def lock(self, sid: int) -> asyncio.Lock:
+        return self._locks.setdefault(sid, asyncio.Lock())
+
+    async def create(self, body: dict, owner: str | None) -> dict:
+        V = self.verifier.vocab_size
+        m = wire.decode_session_request(body, V, self.verifier.max_context)
+        fp = m["tokenizer_hash"]
+        if fp is not None and fp != self.fingerprint:
+            raise ApiError(422, "tokenizer_mismatch", "the draft's tokenizer differs from "
+                           "the target's: draft and target must share a tokenizer",
+                           "tokenizer_hash")
+        ids = m.get("prompt_ids") or encode_prompt(self.tokenizer, m["prompt"], m["chat"])
+        if len(ids) >= self.verifier.max_context:
+            raise ApiError(422, "context_full", "prompt exceeds the model context", "prompt")
+        s = Session(self.sessions.new_id(), owner, m["sampling"], m["seed"], m["mode"],
+                    m["support_k"], m["n_proposals"], m["max_new_tokens"],
+                    KVModel(self.model), list(ids), len(ids))
+        loop = asyncio.get_running_loop()
+        prefill_s = await loop.run_in_executor(self.executor, self.verifier.prefill, s)
+        self.sessions.add(s)
+        return {**s.state(), "prompt_ids": ids, "vocab_size": V,
+                "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
+                "prefill_s": prefill_s}
+
+    async def verify(self, sid: str, body: bytes, owner: str | None) -> bytes:
+        s = self.sessions.get(sid, owner)
+        async with self.lock(s.id):
+            digest = hashlib.sha256(body).digest()
+            req = wire.VerifyRequest.decode(body, self.verifier.vocab_size,
+                                            self.verifier.max_block)
+            if s.last is not None and req.block_seq == s.last[0]:
+                if s.last[1] == digest:   # a retry: same decisions, same draws
+                    return s.last[2]
+                raise ApiError(409, "block_seq_reused",
+                               "block_seq already answered with different content",
+                               "block_seq", state=s.state())
+            resp = await self.queue.submit(s, req)
+            out = resp.encode()
+            s.last = (req.block_seq, digest, out)
+            return out
+
+    async def correction(self, sid: str, body: bytes, owner: str | None) -> bytes:
+        s = self.sessions.get(sid, owner)
+        async with self.lock(s.id):
+            req = wire.CorrectionRequest.decode(body, self.verifier.vocab_size)
+            return self.verifier.correction(s, req).encode()
+
+    def delete(self, sid: str, owner: str | None) -> None:
+        s = self.sessions.get(sid, owner)
+        self.sessions.remove(s.id)
+        self._locks.pop(s.id, None)
+
+
+def _owner(request: web.Request) -> str | None:
+    key = request.get("api_key")
+    return None if key is None else str(getattr(key, "key_id", key))
+
+
+async def _read_control(request: web.Request) -> dict:
+    body = await request.read()
+    if request.content_type == "application/json":
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ApiError(400, "bad_request", "body is not valid JSON", "body") from None
+    return wire.unpack(body)
+
+
+def _reply(request: web.Request, obj: dict, status: int = 200) -> web.Response:
+    if request.content_type == "application/json":
+        return web.json_response(obj, status=status)
+    return web.Response(body=wire.pack(obj), status=status, content_type=MSGPACK)
+
+
+async def create_session(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    body = await _read_control(request)
+    return _reply(request, await svc.create(body, _owner(request)), 201)
+
+
+async def verify(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    out = await svc.verify(request.match_info["sid"], await request.read(), _owner(request))
+    return web.Response(body=out, content_type=MSGPACK)
+
+
+async def correction(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    out = await svc.correction(request.match_info["sid"], await request.read(),
+                               _owner(request))
+    return web.Response(body=out, content_type=MSGPACK)
+
+
+async def get_session(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    return web.json_response(svc.sessions.get(request.match_info["sid"],
+                                              _owner(request)).state())
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    request.app[SERVICE].delete(request.match_info["sid"], _owner(request))
+    return web.json_response({"deleted": True})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    return web.json_response({"status": "ok", "sessions": len(svc.sessions),
+                              "vocab_size": svc.verifier.vocab_size,
+                              "tokenizer_hash": svc.fingerprint})
+
+
+def create_app(model, tokenizer, *, middlewares=(), client_max_size: int = wire.MAX_BODY_BYTES,
+               **service_kw) -> web.Application:
+    """Build the verification app around a loaded target model.
+
+    Args:
+        model, tokenizer: the target (HF causal LM, eval mode).
+        middlewares: extra aiohttp middlewares (auth, rate limits) run after the
+            JSON error middleware.
+        client_max_size: body limit in bytes (larger bodies get 413 JSON).
+        service_kw: :class:`CloudService` options (max_block, max_batch, max_wait_s,
+            session_ttl_s, max_sessions, threads).
+    """
+    app = web.Application(middlewares=[error_middleware, *middlewares],
+                          client_max_size=client_max_size)
+    svc = CloudService(model, tokenizer, **service_kw)
+    app[SERVICE] = svc
+    app.on_startup.append(svc.start)
+    app.on_cleanup.append(svc.stop)
+    app.router.add_post("/v1/sessions", create_session)
+    app.router.add_post("/v1/sessions/{sid}/verify", verify)
+    app.router.add_post("/v1/sessions/{sid}/correction", correction)
+    app.router.add_get("/v1/sessions/{sid}", get_session)
+    app.router.add_delete("/v1/sessions/{sid}", delete_session)
+    app.router.add_get("/healthz", healthz)
+    return app

@@ -1,0 +1,155 @@
+"""Target-side verification of draft blocks and the correction payloads (SPEC §1-2).
+
+Mechanism only: the acceptance rule, residual and certificate math come from
+``edge_sdk.protocol.sampling`` (shared with the edge).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from cloud_api.sessions import ApiError, Session
+from edge_sdk.protocol import sampling as S
+from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
+                                    VerifyRequest, VerifyResponse)
+
+
+class Verifier:
+    """Verifies blocks against the target model.
+
+    ``verify_batch`` takes a list of (session, request) pairs so a batching front end
+    can hand over whatever has arrived; each pair is answered on its own.
+    """
+
+    def __init__(self, model, max_block: int = 8):
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))
+        self.max_block = max_block
+        self.passes = 0
+        self.target_seconds = 0.0
+
+    def prefill(self, s: Session) -> float:
+        """Fill the target cache with the prompt minus its last token. Returns seconds."""
+        t0 = time.perf_counter()
+        if len(s.tokens) > 1:
+            s.kv.crop(0)
+            s.kv.forward(s.tokens[:-1])
+        return time.perf_counter() - t0
+
+    def verify_batch(self, items: list[tuple[Session, VerifyRequest]]):
+        """Returns one ``VerifyResponse`` or ``ApiError`` per item, in order."""
+        out = []
+        for s, req in items:
+            try:
+                out.append(self.verify(s, req))
+            except ApiError as e:
+                out.append(e)
+        return out
+
+    # ------------------------------------------------------------------ one block
+
+    def check(self, s: Session, req: VerifyRequest) -> None:
+        """State checks before any mutation. Raises ApiError (409/422)."""
+        if req.session_id != s.id:
+            raise ApiError(422, "bad_field", "session_id does not match the URL", "session_id")
+        if req.config_id != s.cfg.config_id:
+            raise ApiError(409, "config_mismatch", "config_id differs from the session's",
+                           "config_id", state=s.state())
+        if req.block_seq != s.next_seq or req.base_len != s.base_len:
+            raise ApiError(409, "stale_block", "block does not extend the confirmed prefix",
+                           "block_seq" if req.block_seq != s.next_seq else "base_len",
+                           state=s.state())
+        if s.awaiting != (req.pending_commit is not None):
+            raise ApiError(422, "bad_field", "pending_commit required" if s.awaiting
+                           else "no correction is pending", "pending_commit")
+        if s.awaiting:
+            seq, p_row = s.pending_p
+            if p_row[req.pending_commit] <= 0:
+                raise ApiError(422, "bad_field", "pending_commit has zero target probability",
+                               "pending_commit")
+        g = len(req.tokens)
+        if s.base_len + g + 1 > self.max_context:
+            raise ApiError(422, "context_full", "block would exceed the model context", "tokens")
+        if s.cfg.greedy:
+            if s.mode == "standard" and req.q_full is None and g:
+                raise ApiError(422, "bad_field", "standard mode uploads q_full", "q_full")
+        elif s.mode == "standard":
+            if req.q_full is None and g:
+                raise ApiError(422, "bad_field", "standard mode uploads q_full", "q_full")
+        elif req.q_tok is None and g:
+            raise ApiError(422, "bad_field", "sampling configs need q for each draft", "q")
+
+    def verify(self, s: Session, req: VerifyRequest) -> VerifyResponse:
+        """Run one block: one target pass over ``[last confirmed] + drafts``.
+
+        Mutates the session only after the pass succeeded (never half-updated).
+        """
+        self.check(s, req)
+        context = s.tokens + ([req.pending_commit] if s.awaiting else [])
+        block = [int(t) for t in req.tokens]
+        g = len(block)
+        t0 = time.perf_counter()
+        logits = s.kv.sync(context, block)                     # [g+1, V]
+        seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long),
+                                self.vocab_size) if s.cfg.repetition_penalty != 1.0 else None)
+        x = S.process_logits(logits, s.cfg, seen)               # float64 [g+1, V]
+        gen = s.generator(req.block_seq)
+        corr, p_rej = None, None
+        if s.cfg.greedy:
+            a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
+        else:
+            p = torch.softmax(x, dim=-1)
+            a, nxt, corr, p_rej = self._sample_verdict(s, req, p, block, gen)
+        dt = time.perf_counter() - t0
+        # commit: confirmed += accepted drafts (+ next token); cache = confirmed[:-1]
+        s.kv.crop(len(context) + a)
+        s.tokens = context + block[:a] + ([nxt] if nxt is not None else [])
+        s.awaiting = corr is not None
+        s.pending_p = (req.block_seq, p_rej) if corr is not None else None
+        s.next_seq += 1
+        s.check_kv()
+        self.passes += 1
+        self.target_seconds += dt
+        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, dt)
+
+    def _sample_verdict(self, s: Session, req: VerifyRequest, p, block, gen):
+        g = len(block)
+        if g:
+            idx = torch.tensor(block, dtype=torch.long)
+            p_tok = p[torch.arange(g), idx]
+            q_tok = (torch.tensor(req.q_full[np.arange(g), block]) if s.mode == "standard"
+                     else torch.tensor(np.array(req.q_tok)))
+            u = torch.rand(g, generator=gen, dtype=S.PROB_DTYPE)
+            a = int(S.accepted_length(S.accept(p_tok, q_tok, u)))
+        else:
+            a = 0
+        if a == g:                                   # all accepted: bonus from p_{g+1}
+            return a, int(S.sample(p[g], gen)), None, None
+        if s.mode == "standard":                     # baseline: cloud draws the residual
+            q_row = torch.tensor(np.array(req.q_full[a]))
+            return a, int(S.sample(S.residual(p[a], q_row), gen)), None, None
+        ids, sp = S.top_support(p[a], s.support_k)
+        complete = int((p[a] > 0).sum()) <= ids.numel()
+        n = s.n_proposals
+        props = S.sample(p[a].expand(n, -1), gen) if n else torch.zeros(0, dtype=torch.long)
+        corr = Correction(complete, ids.numpy(), sp.numpy(), props.numpy(),
+                          p[a][props].numpy())
+        return a, None, corr, p[a].clone()
+
+    def correction(self, s: Session, req: CorrectionRequest) -> CorrectionResponse:
+        """More correction information for the block awaiting its correction token:
+        a larger top-K support (``k``) or the full distribution (``k`` None)."""
+        if not s.awaiting or s.pending_p is None or s.pending_p[0] != req.block_seq:
+            raise ApiError(409, "no_pending_correction",
+                           "that block has no correction pending", "block_seq",
+                           state=s.state())
+        p_row = s.pending_p[1]
+        if req.k is None:
+            return CorrectionResponse(req.block_seq, True, None, p_row.numpy())
+        ids, sp = S.top_support(p_row, req.k)
+        complete = int((p_row > 0).sum()) <= ids.numel()
+        return CorrectionResponse(req.block_seq, complete, ids.numpy(), sp.numpy())

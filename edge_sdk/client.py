@@ -1,0 +1,260 @@
+"""Edge client: draft a block, send it, apply the verdict, commit token by token.
+
+Stop-and-wait rounds at a fixed draft depth (gamma). Output equals the target's: greedy
+token-for-token, sampling in distribution (SPEC §1-2).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+import torch
+
+from edge_sdk import correction as C
+from edge_sdk.commit import Committer
+from edge_sdk.drafters.base import DraftBlock, Drafter
+from edge_sdk.metrics import RequestMetrics
+from edge_sdk.models import encode_prompt, tokenizer_fingerprint
+from edge_sdk.protocol import wire
+from edge_sdk.protocol.sampling import SamplingConfig
+from edge_sdk.transport import MSGPACK, RemoteError, Transport
+
+
+@dataclass
+class TokenEvent:
+    """One committed token: id, the text it adds, and whether the target verified it."""
+
+    token_id: int
+    text: str
+    verified: bool = True
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_ids: list[int]
+    metrics: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "metrics": self.metrics}
+
+
+class EdgeClient:
+    """Speculative decoding against a specrelay verification API.
+
+    Args:
+        base_url: the API, e.g. ``http://127.0.0.1:8000``.
+        drafter: a :class:`Drafter` (None allows only ``target_only`` generation).
+        tokenizer: shared by draft and target (checked by fingerprint at session create).
+        depth: draft depth gamma per block (1..max_block of the server).
+        mode: ``asym`` (token, q pairs on the uplink; staged correction) or ``standard``
+            (baseline: full q per position uploaded, cloud draws corrections).
+        eps_req: request TV budget for bounded corrections (0 = exact).
+        correction: ``auto`` or a forced stage ``bounded``/``proposal``/``full`` (tests).
+        support_k, n_proposals: correction stage sizes requested from the cloud.
+        signer: request signer (see ``edge_sdk.protocol.signing``) or None.
+        chat: wrap text prompts in the tokenizer's chat template.
+    """
+
+    def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = 4,
+                 mode: str = "asym", eps_req: float = 0.0, correction: str = "auto",
+                 support_k: int = 32, n_proposals: int = 4, signer=None, chat: bool = True,
+                 transport: Transport | None = None):
+        if mode not in ("asym", "standard"):
+            raise ValueError("mode must be 'asym' or 'standard'")
+        if correction not in C.MODES:
+            raise ValueError(f"correction must be one of {C.MODES}")
+        self.drafter, self.tokenizer = drafter, tokenizer
+        self.depth, self.mode, self.eps_req, self.correction = depth, mode, eps_req, correction
+        self.support_k, self.n_proposals, self.chat = support_k, n_proposals, chat
+        self.transport = transport or Transport(base_url, signer=signer)
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    def stream(self, prompt: str | None = None, **kw) -> "Generation":
+        """An async iterable of :class:`TokenEvent`; ``.result()`` afterwards. Takes the
+        arguments of :meth:`generate`."""
+        return Generation(self, prompt, **kw)
+
+    async def generate(self, prompt: str | None = None, **kw) -> GenerationResult:
+        """Generate a completion.
+
+        Args:
+            prompt: text (chat-templated when ``chat``), or pass ``prompt_ids=[...]``.
+            sampling: :class:`SamplingConfig` (default greedy); max_new_tokens (tokens);
+            stop: stop strings; seed: RNG seed (edge and cloud draws);
+            target_only: generate with the target alone (blocks of depth 0);
+            depth: override the draft depth for this request.
+        Raises:
+            RemoteError: the API refused a request (4xx) after retries.
+        """
+        gen = self.stream(prompt, **kw)
+        async for _ in gen:
+            pass
+        return gen.result()
+
+
+class Generation:
+    """One request's round loop (async iterator of TokenEvents)."""
+
+    def __init__(self, client: EdgeClient, prompt: str | None = None, *,
+                 prompt_ids: Sequence[int] | None = None, sampling: SamplingConfig | None = None,
+                 max_new_tokens: int = 128, stop: Sequence[str] = (), seed: int = 0,
+                 target_only: bool = False, depth: int | None = None,
+                 eps_req: float | None = None):
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_ids")
+        self.c = client
+        self.cfg = sampling or SamplingConfig()
+        self.prompt_ids = (list(prompt_ids) if prompt_ids is not None
+                           else encode_prompt(client.tokenizer, prompt, client.chat))
+        self.max_new_tokens, self.stop, self.seed = max_new_tokens, list(stop), seed
+        self.target_only = target_only or client.drafter is None
+        self.depth = client.depth if depth is None else depth
+        self.budget = client.eps_req if eps_req is None else eps_req
+        self.m = RequestMetrics()
+        self.gen = torch.Generator().manual_seed(seed)
+        self.committer: Committer | None = None
+
+    def result(self) -> GenerationResult:
+        cm = self.committer
+        return GenerationResult(cm.text, list(cm.token_ids), cm.finish_reason,
+                                self.prompt_ids, self.m.to_dict())
+
+    # ------------------------------------------------------------------ session
+
+    async def _call(self, method: str, path: str, body: bytes = b"") -> bytes:
+        data, _ = await self.c.transport.request(method, path, body, MSGPACK)
+        self.m.uplink_bytes += len(body)
+        self.m.downlink_bytes += len(data)
+        return data
+
+    async def _create(self, prompt_ids: list[int], max_new: int) -> dict:
+        c = self.c
+        body = {"prompt_ids": prompt_ids, "sampling": self.cfg.to_dict(), "seed": self.seed,
+                "max_new_tokens": max_new, "tokenizer_hash": tokenizer_fingerprint(c.tokenizer),
+                "mode": c.mode, "support_k": c.support_k, "n_proposals": c.n_proposals}
+        if c.drafter is not None:
+            body["vocab_size"] = c.drafter.vocab_size
+        data = await self._call("POST", "/v1/sessions", wire.pack(body))
+        info = wire.unpack(data)
+        self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
+        self.seq, self.pending = 0, None
+        self.path = f"/v1/sessions/{self.sid}"
+        return info
+
+    async def _fetch(self, k: int | None):
+        body = wire.CorrectionRequest(self.seq - 1, k).encode()
+        data = await self._call("POST", self.path + "/correction", body)
+        return wire.CorrectionResponse.decode(data)
+
+    # ------------------------------------------------------------------ rounds
+
+    def _draft(self, tokens: list[int]) -> DraftBlock | None:
+        g = 0 if self.target_only else min(self.depth, self.committer.remaining - 1)
+        if g <= 0:
+            return None
+        return self.c.drafter.propose(tokens, g, self.cfg, self.gen)
+
+    def _request(self, tokens: list[int], block: DraftBlock | None) -> wire.VerifyRequest:
+        toks = np.array(block.tokens if block else [], dtype=np.int64)
+        q_tok = q_full = None
+        if block is not None and self.c.mode == "standard":
+            q_full = (block.q if block.q is not None else torch.nn.functional.one_hot(
+                torch.tensor(block.tokens), self.vocab).double()).numpy()
+        elif block is not None and not self.cfg.greedy:
+            q_tok = block.q_tok.numpy()
+        return wire.VerifyRequest(self.sid, self.seq, len(tokens), self.cfg.config_id,
+                                  self.pending, toks, q_tok, q_full)
+
+    async def _send(self, tokens, block) -> wire.VerifyResponse:
+        body = self._request(tokens, block).encode(self.vocab)
+        try:
+            data = await self._call("POST", self.path + "/verify", body)
+        except RemoteError as e:
+            if e.status != 404:
+                raise
+            # session evicted/expired on the cloud: re-create it from the confirmed
+            # prefix (the pending correction included) and resend the block
+            await self._create(list(tokens), self.committer.remaining)
+            body = self._request(tokens, block).encode(self.vocab)
+            data = await self._call("POST", self.path + "/verify", body)
+        resp = wire.VerifyResponse.decode(data)
+        if resp.block_seq != self.seq:
+            raise RuntimeError(f"response answers block {resp.block_seq}, sent {self.seq}")
+        return resp
+
+    async def _round(self, tokens: list[int]) -> list[int]:
+        """One verification round; returns the newly confirmed tokens."""
+        m = self.m
+        block = self._draft(tokens)
+        g = len(block) if block else 0
+        t0 = time.perf_counter()
+        resp = await self._send(tokens, block)
+        m.net_seconds += time.perf_counter() - t0 - resp.target_s
+        a = resp.accepted
+        new = list(block.tokens[:a]) if block else []
+        self.pending, self.seq = None, self.seq + 1
+        if resp.next_token is not None:
+            new.append(resp.next_token)
+            if a == g:
+                m.bonus_tokens += 1
+            else:
+                m.correction_tokens += 1
+        else:
+            tok, stage, eps = await C.resolve(resp.correction, block.q[a], self.budget,
+                                              self.gen, self._fetch, self.c.correction)
+            self.budget -= eps
+            m.tv_budget_spent += eps
+            m.correction_mode_counts[stage] += 1
+            m.correction_tokens += 1
+            self.pending = tok
+            new.append(tok)
+        m.rounds += 1
+        m.drafted_tokens += g
+        m.accepted_tokens += a
+        m.accepted_hist.append(a)
+        m.target_seconds += resp.target_s
+        m.draft_seconds += block.draft_s if block else 0.0
+        if resp.base_len != len(tokens) + len(new):  # pending correction included
+            raise RuntimeError("edge and cloud disagree on the confirmed length")
+        return new
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        c, m = self.c, self.m
+        m.t_start = time.perf_counter()
+        info = await self._create(self.prompt_ids, self.max_new_tokens)
+        self.committer = Committer(c.tokenizer, self.max_new_tokens,
+                                   info.get("eos_token_ids", []), self.stop)
+        tokens = list(self.prompt_ids)
+        try:
+            while not self.committer.done:
+                new = await self._round(tokens)
+                tokens += new
+                for t in new:
+                    if self.committer.done:
+                        break
+                    text = self.committer.push(t)
+                    m.committed_tokens += 1
+                    m.first_token()
+                    yield TokenEvent(t, text)
+                m.wasted_draft_tokens = m.drafted_tokens - m.accepted_tokens
+        finally:
+            m.finish()
+            try:
+                await self._call("DELETE", self.path)
+            except Exception:  # noqa: BLE001 - cleanup is best effort; TTL evicts anyway
+                pass

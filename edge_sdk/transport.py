@@ -1,0 +1,94 @@
+"""HTTP transport to the verification API: aiohttp client, signing hook, retries.
+
+Byte counters measure message bodies (the protocol payload, both directions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import aiohttp
+
+MSGPACK = "application/x-msgpack"
+RETRY_STATUS = {429, 502, 503, 504}
+
+
+class RemoteError(Exception):
+    """A 4xx/5xx answer. ``status``, ``code``, ``field`` and ``body`` (parsed JSON)."""
+
+    def __init__(self, status: int, body: dict | None, text: str = ""):
+        err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
+        self.status, self.body = status, body or {}
+        self.code, self.field = err.get("code"), err.get("field")
+        super().__init__(f"HTTP {status} {self.code or ''}: {err.get('message', text)}"
+                         + (f" (field {self.field})" if self.field else ""))
+
+
+class Transport:
+    """Signed, retrying HTTP client.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000``.
+        signer: object with ``headers(method, path, body) -> dict`` (request signing) or None.
+        retries: attempts after the first for connection errors, 429 and 502-504
+            (verify is idempotent: the cloud answers a repeated block from its cache).
+        timeout_s: per-request timeout in seconds.
+    """
+
+    def __init__(self, base_url: str, signer=None, retries: int = 4, timeout_s: float = 120.0,
+                 backoff_s: float = 0.05):
+        self.base_url = base_url.rstrip("/")
+        self.signer, self.retries, self.backoff_s = signer, retries, backoff_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self.uplink_bytes = 0
+        self.downlink_bytes = 0
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        if retry_after:
+            try:
+                return float(retry_after) + random.uniform(0, self.backoff_s)
+            except ValueError:
+                pass
+        return self.backoff_s * (2 ** attempt) * random.uniform(0.5, 1.5)
+
+    async def request(self, method: str, path: str, body: bytes = b"",
+                      content_type: str = MSGPACK) -> tuple[bytes, str]:
+        """Send one request; returns (body bytes, content type). Raises RemoteError."""
+        http = await self._http()
+        for attempt in range(self.retries + 1):
+            headers = {"content-type": content_type} if body else {}
+            if self.signer is not None:
+                headers.update(self.signer.headers(method, path, body))
+            try:
+                async with http.request(method, self.base_url + path, data=body or None,
+                                        headers=headers) as r:
+                    data = await r.read()
+                    self.uplink_bytes += len(body)
+                    self.downlink_bytes += len(data)
+                    if r.status < 400:
+                        return data, r.content_type
+                    if r.status in RETRY_STATUS and attempt < self.retries:
+                        await asyncio.sleep(self._delay(attempt, r.headers.get("retry-after")))
+                        continue
+                    try:
+                        parsed = json.loads(data)
+                    except ValueError:
+                        parsed = None
+                    raise RemoteError(r.status, parsed, data[:200].decode("utf8", "replace"))
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+                if attempt >= self.retries:
+                    raise
+                await asyncio.sleep(self._delay(attempt, None))
+        raise AssertionError("unreachable")

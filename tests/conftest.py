@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random Llama models with a tiny word-level tokenizer, and a
+real verification server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+
+def tiny_tokenizer(vocab: int = 64):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<eos>": 0, "<unk>": 1} | {f"w{i}": i for i in range(2, vocab)}
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_model(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0,
+               like=None, noise: float = 0.0):
+    """A random Llama. ``like``+``noise``: a draft made by perturbing another model's
+    weights (so it agrees often but not always)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, eos_token_id=0, bos_token_id=1,
+                      pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(4.0)  # sharper distributions than the default init
+        if like is not None:
+            m.load_state_dict(like.state_dict())
+            g = torch.Generator().manual_seed(seed + 1)
+            for p in m.parameters():
+                p.add_(noise * torch.randn(p.shape, generator=g))
+    m.generation_config.eos_token_id = 0
+    return m.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def draft(target):
+    return tiny_model(seed=1, like=target, noise=0.05)
+
+
+@pytest.fixture()
+def server(target, tok):
+    from cloud_api.app import create_app
+    from cloud_api.server import BackgroundServer
+
+    with BackgroundServer(create_app(target, tok)) as srv:
+        yield srv
+
+
+def run(coro):
+    return asyncio.run(coro)
