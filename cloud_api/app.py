@@ -107,7 +107,9 @@ class CloudService:
                 "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
                 "prefill_s": prefill_s}
 
-    async def verify(self, sid: str, body: bytes, owner: str | None) -> bytes:
+    async def verify(self, sid: str, body: bytes, owner: str | None, charge=None) -> bytes:
+        """Verify one block. ``charge(n)`` meters the block's n = g + 1 tokens before the
+        target pass (it raises to refuse; a duplicate is answered without charge)."""
         s = self.sessions.get(sid, owner)
         async with self.lock(s.id):
             digest = hashlib.sha256(body).digest()
@@ -119,6 +121,8 @@ class CloudService:
                 raise ApiError(409, "block_seq_reused",
                                "block_seq already answered with different content",
                                "block_seq", state=s.state())
+            if charge is not None:
+                charge(len(req.tokens) + 1)
             resp = await self.queue.submit(s, req)
             out = resp.encode()
             s.last = (req.block_seq, digest, out)
@@ -165,7 +169,12 @@ async def create_session(request: web.Request) -> web.Response:
 
 async def verify(request: web.Request) -> web.Response:
     svc: CloudService = request.app[SERVICE]
-    out = await svc.verify(request.match_info["sid"], await request.read(), _owner(request))
+    limiter, key = request.get("ratelimiter"), request.get("api_key")
+    charge = None
+    if limiter is not None and key is not None:
+        charge = lambda n: limiter.consume_tokens(key, n)  # noqa: E731
+    out = await svc.verify(request.match_info["sid"], await request.read(), _owner(request),
+                           charge)
     return web.Response(body=out, content_type=MSGPACK)
 
 
@@ -194,19 +203,29 @@ async def healthz(request: web.Request) -> web.Response:
                               "tokenizer_hash": svc.fingerprint})
 
 
-def create_app(model, tokenizer, *, middlewares=(), client_max_size: int = wire.MAX_BODY_BYTES,
-               **service_kw) -> web.Application:
+def create_app(model, tokenizer, *, key_store=None, middlewares=(),
+               client_max_size: int = wire.MAX_BODY_BYTES, **service_kw) -> web.Application:
     """Build the verification app around a loaded target model.
 
     Args:
         model, tokenizer: the target (HF causal LM, eval mode).
+        key_store: a :class:`cloud_api.keys.KeyStore`; when given every /v1 request must
+            be signed by a key with the ``verify`` scope and is rate limited per key.
+            None serves without authentication (local development only).
         middlewares: extra aiohttp middlewares (auth, rate limits) run after the
             JSON error middleware.
         client_max_size: body limit in bytes (larger bodies get 413 JSON).
         service_kw: :class:`CloudService` options (max_block, max_batch, max_wait_s,
             session_ttl_s, max_sessions, threads).
     """
-    app = web.Application(middlewares=[error_middleware, *middlewares],
+    mws = [error_middleware]
+    if key_store is not None:
+        from cloud_api.auth import auth_middleware
+        from cloud_api.ratelimit import RateLimiter, ratelimit_middleware
+
+        mws += [auth_middleware(key_store),
+                ratelimit_middleware(RateLimiter(store=key_store))]
+    app = web.Application(middlewares=[*mws, *middlewares],
                           client_max_size=client_max_size)
     svc = CloudService(model, tokenizer, **service_kw)
     app[SERVICE] = svc

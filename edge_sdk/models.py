@@ -205,3 +205,12 @@ def eos_ids(model, tokenizer) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
+
+
+def draft_available(name: str) -> bool:
+    """True when a named draft preset's files exist on this machine."""
+    try:
+        spec = resolve(name)
+    except Exception:  # noqa: BLE001 - a preset whose files are missing
+        return False
+    return Path(spec.path).exists()

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 
 import aiohttp
+
+from edge_sdk.retry import backoff_delay
 
 MSGPACK = "application/x-msgpack"
 RETRY_STATUS = {429, 502, 503, 504}
@@ -55,13 +56,8 @@ class Transport:
         if self._session is not None:
             await self._session.close()
 
-    def _delay(self, attempt: int, retry_after: str | None) -> float:
-        if retry_after:
-            try:
-                return float(retry_after) + random.uniform(0, self.backoff_s)
-            except ValueError:
-                pass
-        return self.backoff_s * (2 ** attempt) * random.uniform(0.5, 1.5)
+    def _delay(self, attempt: int, headers=None) -> float:
+        return backoff_delay(headers or {}, attempt, base_s=self.backoff_s)
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       content_type: str = MSGPACK) -> tuple[bytes, str]:
@@ -80,7 +76,7 @@ class Transport:
                     if r.status < 400:
                         return data, r.content_type
                     if r.status in RETRY_STATUS and attempt < self.retries:
-                        await asyncio.sleep(self._delay(attempt, r.headers.get("retry-after")))
+                        await asyncio.sleep(self._delay(attempt, r.headers))
                         continue
                     try:
                         parsed = json.loads(data)

@@ -1,0 +1,243 @@
+"""``specrelay`` command line: serve, generate, demo, keys, export, draft, bench."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import click
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def default_draft() -> str:
+    """The trained demo draft when present, else the untrained 4-layer truncation."""
+    from edge_sdk import models
+
+    return "smollm2-135m-draft" if "smollm2-135m-draft" in models.PRESETS and \
+        models.draft_available("smollm2-135m-draft") else "smollm2-135m@4"
+
+
+def sampling_options(f):
+    opts = [
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="0 = greedy (token-for-token identical to the target)."),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--max-new-tokens", type=int, default=96, show_default=True),
+        click.option("--depth", type=click.IntRange(1, 8), default=4, show_default=True,
+                     help="Draft depth gamma (tokens per block)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--mode", type=click.Choice(["asym", "standard"]), default="asym",
+                     show_default=True, help="asym: compact protocol; standard: baseline "
+                     "uploading the full draft distribution."),
+        click.option("--target-only", is_flag=True,
+                     help="Generate with the target alone (the identity reference)."),
+        click.option("--chat/--no-chat", default=True, show_default=True,
+                     help="Wrap the prompt in the chat template."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _sampling(kw):
+    from edge_sdk import SamplingConfig
+
+    return SamplingConfig(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+                          repetition_penalty=kw["repetition_penalty"])
+
+
+async def _generate(url, drafter, tok, prompt, kw, signer):
+    from edge_sdk import EdgeClient
+
+    async with EdgeClient(url, drafter, tok, depth=kw["depth"], mode=kw["mode"],
+                          signer=signer, chat=kw["chat"]) as c:
+        return await c.generate(prompt, sampling=_sampling(kw), seed=kw["seed"],
+                                max_new_tokens=kw["max_new_tokens"], stop=kw["stop"],
+                                target_only=kw["target_only"])
+
+
+def _print_result(res, as_json: bool, title: str, note: str | None = None,
+                  extra: dict | None = None):
+    if as_json:
+        out = res.to_dict()
+        out.update(extra or {})
+        click.echo(json.dumps(out))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.rule(title)
+    con.print(res.text, markup=False, highlight=False)
+    con.print(f"[dim]finish_reason={res.finish_reason}  tokens={len(res.token_ids)}[/dim]")
+    t = Table(title="metrics (SPEC §7)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k in ("acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_s",
+              "throughput_tok_s", "uplink_bytes_per_token", "downlink_bytes_per_token",
+              "target_passes_per_token", "target_seconds_per_token", "wasted_draft_tokens",
+              "correction_mode_counts", "tv_budget_spent"):
+        v = res.metrics[k]
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    for k, v in (extra or {}).items():
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    con.print(t)
+    if note:
+        con.print(f"[yellow]{note}[/yellow]")
+
+
+@click.group()
+def main():
+    """specrelay: edge-cloud speculative decoding with the target model's exact output."""
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--model", default=DEFAULT_TARGET, show_default=True,
+              help="Target: preset, HF path, or file.gguf.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads for the target.")
+@click.option("--max-batch", default=8, show_default=True)
+@click.option("--max-wait-ms", default=2.0, show_default=True)
+@click.option("--keys-db", default=None, help="API key database (default: keys CLI's).")
+@click.option("--insecure-no-auth", is_flag=True,
+              help="Serve WITHOUT request signing (local development only).")
+@click.option("--tls-cert", type=click.Path(exists=True), default=None)
+@click.option("--tls-key", type=click.Path(exists=True), default=None)
+def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
+          insecure_no_auth, tls_cert, tls_key):
+    """Serve the signed verification API for a target model."""
+    from aiohttp import web
+
+    from cloud_api.app import create_app
+    from edge_sdk.models import load_model
+
+    store = None
+    if not insecure_no_auth:
+        from cloud_api.keys import SQLiteKeyStore
+        from cloud_api.keys_cli import DEFAULT_DB
+
+        store = SQLiteKeyStore(keys_db or os.environ.get("SPECRELAY_KEYS_DB") or DEFAULT_DB)
+    else:
+        click.echo("WARNING: --insecure-no-auth: requests are not authenticated", err=True)
+    ssl_ctx = None
+    if tls_cert:
+        import ssl
+
+        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_ctx.load_cert_chain(tls_cert, tls_key)
+    target, tok = load_model(model, dtype=dtype, threads=threads)
+    app = create_app(target, tok, key_store=store, max_batch=max_batch,
+                     max_wait_s=max_wait_ms / 1000)
+    web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30)
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+@click.option("--api-key", envvar="SPECRELAY_API_KEY", default=None,
+              help="API key (env SPECRELAY_API_KEY); omit for an --insecure-no-auth server.")
+@click.option("--draft", default=None, help="Draft model (default: the demo draft).")
+@sampling_options
+def generate(prompt, url, api_key, draft, **kw):
+    """Generate against a running verification API."""
+    from edge_sdk.drafters.torch import TorchDrafter
+    from edge_sdk.models import load_model
+    from edge_sdk.protocol.signing import Signer
+
+    signer = Signer.from_api_key(api_key) if api_key else None
+    dmodel, tok = load_model(draft or default_draft())
+    drafter = None if kw["target_only"] else TorchDrafter(dmodel)
+    res = asyncio.run(_generate(url, drafter, tok, prompt, kw, signer))
+    _print_result(res, kw["as_json"], "target only" if kw["target_only"] else "speculative")
+
+
+@main.command()
+@click.argument("prompt", default="What is speculative decoding?")
+@click.option("--target", default=DEFAULT_TARGET, show_default=True)
+@click.option("--draft", default=None, help="Draft model (default: the trained demo "
+              "draft if present, else the target's first 4 layers).")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Also run the target alone and report identity and speed ratio.")
+@sampling_options
+def demo(prompt, target, draft, compare, **kw):
+    """Start a local signed server with the default models, generate, print metrics."""
+    from cloud_api.app import create_app
+    from cloud_api.keys import SQLiteKeyStore
+    from cloud_api.server import BackgroundServer
+    from edge_sdk.drafters.torch import TorchDrafter
+    from edge_sdk.models import load_model
+    from edge_sdk.protocol.signing import Signer
+
+    draft = draft or default_draft()
+    note = None
+    if draft.endswith("@4"):
+        note = ("draft = the target's first 4 layers, untrained: it agrees with the target "
+                "only ~5-8 % of the time, so expect little speed-up (run `specrelay draft "
+                "distill` for a trained draft)")
+    if not kw["as_json"]:
+        click.echo(f"loading target {target} and draft {draft} ...", err=True)
+    tmodel, tok = load_model(target)
+    dmodel, _ = load_model(draft)
+    store = SQLiteKeyStore(":memory:")
+    _, raw_key = store.create("demo-ephemeral", scopes=("verify",), rpm=100_000,
+                              tpm=10_000_000)
+    signer = Signer.from_api_key(raw_key)
+    with BackgroundServer(create_app(tmodel, tok, key_store=store)) as srv:
+        res = asyncio.run(_generate(srv.url, TorchDrafter(dmodel), tok, prompt,
+                                    kw | {"target_only": kw["target_only"]}, signer))
+        extra = {}
+        if compare and not kw["target_only"]:
+            ref = asyncio.run(_generate(srv.url, None, tok, prompt,
+                                        kw | {"target_only": True}, signer))
+            extra["target_only_throughput_tok_s"] = ref.metrics["throughput_tok_s"]
+            extra["speedup_vs_target_only"] = (res.metrics["throughput_tok_s"]
+                                               / ref.metrics["throughput_tok_s"])
+            if kw["temperature"] == 0:
+                extra["identical_to_target"] = ref.token_ids == res.token_ids
+    _print_result(res, kw["as_json"], f"speculative ({draft} -> {target}, depth "
+                  f"{kw['depth']}, signed HTTP on {srv.url})", note, extra)
+
+
+def _mount():
+    from cloud_api.keys_cli import keys
+
+    main.add_command(keys)
+    try:
+        from exporters.cli import export
+        main.add_command(export)
+    except ImportError:
+        pass
+
+    @main.group()
+    def draft():
+        """Create draft models for a target."""
+
+    try:
+        from exporters.distill import distill_command
+        draft.add_command(distill_command, "distill")
+    except ImportError:
+        pass
+    try:
+        from edge_sdk.bench.cli import bench
+        main.add_command(bench)
+    except ImportError:
+        pass
+
+
+_mount()
+
+if __name__ == "__main__":
+    sys.exit(main())
