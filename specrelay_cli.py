@@ -110,7 +110,7 @@ def main():
               show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads for the target.")
 @click.option("--max-batch", default=8, show_default=True)
-@click.option("--max-wait-ms", default=2.0, show_default=True)
+@click.option("--max-wait-ms", default=0.0, show_default=True)
 @click.option("--keys-db", default=None, help="API key database (default: keys CLI's).")
 @click.option("--insecure-no-auth", is_flag=True,
               help="Serve WITHOUT request signing (local development only).")

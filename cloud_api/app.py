@@ -61,7 +61,7 @@ class CloudService:
     """Owns the target model, the sessions and the verification queue."""
 
     def __init__(self, model, tokenizer, *, max_block: int = 8, max_batch: int = 8,
-                 max_wait_s: float = 0.002, session_ttl_s: float = 600.0,
+                 max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
                  max_sessions: int = 256, threads: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.verifier = Verifier(model, max_block)

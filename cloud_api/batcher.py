@@ -13,7 +13,7 @@ class VerifyQueue:
     """
 
     def __init__(self, verifier, executor: Executor, max_batch: int = 8,
-                 max_wait_s: float = 0.002):
+                 max_wait_s: float = 0.0):
         self.verifier, self.executor = verifier, executor
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
         self._q: asyncio.Queue = asyncio.Queue()

@@ -133,7 +133,8 @@ class Verifier:
             q_row = torch.tensor(np.array(req.q_full[a]))
             return a, int(S.sample(S.residual(p[a], q_row), gen)), None, None
         ids, sp = S.top_support(p[a], s.support_k)
-        complete = int((p[a] > 0).sum()) <= ids.numel()
+        complete = bool(S.support_is_complete(p[a], s.support_k))
+        ids, sp = ids[sp > 0], sp[sp > 0]
         n = s.n_proposals
         props = S.sample(p[a].expand(n, -1), gen) if n else torch.zeros(0, dtype=torch.long)
         corr = Correction(complete, ids.numpy(), sp.numpy(), props.numpy(),
@@ -151,5 +152,6 @@ class Verifier:
         if req.k is None:
             return CorrectionResponse(req.block_seq, True, None, p_row.numpy())
         ids, sp = S.top_support(p_row, req.k)
-        complete = int((p_row > 0).sum()) <= ids.numel()
+        complete = bool(S.support_is_complete(p_row, req.k))
+        ids, sp = ids[sp > 0], sp[sp > 0]
         return CorrectionResponse(req.block_seq, complete, ids.numpy(), sp.numpy())

@@ -5,9 +5,13 @@ from) and receives target information in stages:
 
 1. bounded support S: draw from ``max(0, p - q)`` restricted to S when the residual-TV
    certificate ``eps_K`` fits the remaining request budget (0 when S covers supp(p));
-2. proposals Y ~ p: accept Y with probability ``max(0, 1 - q(Y)/p(Y))``; the first
-   accepted proposal is an exact residual draw (success probability Z = TV(p, q));
+2. proposals Y ~ p: accept Y with probability ``b(Y) = max(0, 1 - q(Y)/p(Y))``; the
+   first accepted proposal is an exact residual draw, since
+   ``P(Y = v, accepted) = p(v) b(v) = max(0, p(v) - q(v))`` (success probability Z);
 3. the full p: an exact residual draw.
+
+``try_bounded`` and ``try_proposals`` are batched over leading dims (tests run them on
+50k rows at once); the edge calls them on one row.
 """
 
 from __future__ import annotations
@@ -23,27 +27,40 @@ from edge_sdk.protocol.wire import Correction
 MODES = ("auto", "bounded", "proposal", "full")
 
 
-def try_bounded(ids: np.ndarray, p: np.ndarray, complete: bool, q: torch.Tensor,
-                budget: float, gen: torch.Generator):
-    """Stage 1. Returns ``(token, eps_spent)`` or None when the certificate exceeds the
-    budget (or S carries no residual mass)."""
-    ids_t = torch.tensor(np.asarray(ids, dtype=np.int64))
-    eps, z_s, r_s = S.support_certificate(ids_t, torch.tensor(np.asarray(p), dtype=torch.float64), q, complete)
-    if z_s <= 0.0 or eps > budget:
-        return None
-    return int(ids_t[S.sample(r_s, gen)]), eps
+def try_bounded(ids: torch.Tensor, sp: torch.Tensor, complete, q: torch.Tensor,
+                budget: float, gen: torch.Generator | None):
+    """Stage 1. ids int [..., K], sp float64 [..., K], q float64 [..., V].
+
+    Returns ``(token [...], eps [...])``; token is -1 where the certificate exceeds the
+    budget (nothing is charged there)."""
+    eps, z_s, r_s = S.support_certificate(ids, sp, q, complete)
+    ok = (z_s > 0) & (eps <= budget)
+    safe = torch.where(ok.unsqueeze(-1), r_s, torch.ones_like(r_s))
+    tok = ids.gather(-1, S.sample(safe, gen).unsqueeze(-1)).squeeze(-1)
+    return torch.where(ok, tok, torch.full_like(tok, -1)), torch.where(ok, eps, 0.0 * eps)
 
 
-def try_proposals(ids: np.ndarray, p: np.ndarray, q: torch.Tensor,
-                  gen: torch.Generator) -> int | None:
-    """Stage 2: accept proposal Y with probability ``max(0, 1 - q(Y)/p(Y))``."""
-    if len(ids) == 0:
-        return None
-    qy = q[torch.tensor(np.asarray(ids, dtype=np.int64))].numpy()
-    b = np.clip(1.0 - qy / np.asarray(p), 0.0, 1.0)
-    u = torch.rand(len(ids), generator=gen, dtype=S.PROB_DTYPE).numpy()
-    hit = np.nonzero(u < b)[0]
-    return int(ids[hit[0]]) if hit.size else None
+def try_proposals(ids: torch.Tensor, pp: torch.Tensor, q: torch.Tensor,
+                  gen: torch.Generator | None) -> torch.Tensor:
+    """Stage 2. ids int [..., N] i.i.d. draws from p, pp float64 [..., N] = p(ids),
+    q float64 [..., V]. Returns the first accepted proposal per row, -1 if none."""
+    if ids.shape[-1] == 0:
+        return torch.full(ids.shape[:-1], -1, dtype=torch.long)
+    b = (1.0 - q.gather(-1, ids.long()) / pp).clamp(0.0, 1.0)
+    u = torch.rand(ids.shape, generator=gen, dtype=S.PROB_DTYPE)
+    hit = u < b
+    first = hit.to(torch.int64).argmax(-1, keepdim=True)
+    tok = ids.long().gather(-1, first).squeeze(-1)
+    return torch.where(hit.any(-1), tok, torch.full_like(tok, -1))
+
+
+def full_residual(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator | None):
+    """Stage 3: exact residual draw from the full p [..., V]. Returns int64 [...]."""
+    return S.sample(S.residual(p, q), gen)
+
+
+def _t(a, dtype) -> torch.Tensor:
+    return torch.tensor(np.asarray(a), dtype=dtype)
 
 
 async def resolve(corr: Correction, q: torch.Tensor, budget: float, gen: torch.Generator,
@@ -60,19 +77,21 @@ async def resolve(corr: Correction, q: torch.Tensor, budget: float, gen: torch.G
     Returns:
         ``(token, stage, eps_spent)`` with stage in {"bounded", "proposal", "full"}.
     """
+    i64, f64 = torch.int64, torch.float64
     if mode in ("auto", "bounded"):
-        got = try_bounded(corr.support_ids, corr.support_p, corr.complete, q, budget, gen)
-        if got is not None:
-            return got[0], "bounded", got[1]
+        tok, eps = try_bounded(_t(corr.support_ids, i64), _t(corr.support_p, f64),
+                               corr.complete, q, budget, gen)
+        if tok >= 0:
+            return int(tok), "bounded", float(eps)
     if mode in ("auto", "proposal"):
-        y = try_proposals(corr.proposal_ids, corr.proposal_p, q, gen)
-        if y is not None:
-            return y, "proposal", 0.0
+        tok = try_proposals(_t(corr.proposal_ids, i64), _t(corr.proposal_p, f64), q, gen)
+        if tok >= 0:
+            return int(tok), "proposal", 0.0
     if mode in ("auto", "bounded") and budget > 0 and not corr.complete:
         wider = await fetch(max(1024, 16 * len(corr.support_ids)))   # expand K once
-        got = try_bounded(wider.ids, wider.p, wider.complete, q, budget, gen)
-        if got is not None:
-            return got[0], "bounded", got[1]
+        tok, eps = try_bounded(_t(wider.ids, i64), _t(wider.p, f64), wider.complete, q,
+                               budget, gen)
+        if tok >= 0:
+            return int(tok), "bounded", float(eps)
     full = await fetch(None)
-    p = torch.tensor(np.asarray(full.p), dtype=torch.float64)
-    return int(S.sample(S.residual(p, q), gen)), "full", 0.0
+    return int(full_residual(_t(full.p, f64), q, gen)), "full", 0.0

@@ -226,35 +226,41 @@ def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor):
 # ----------------------------------------------------------------------------- certificate
 
 def support_certificate(support_ids: torch.Tensor, support_p: torch.Tensor,
-                        q: torch.Tensor, complete: bool):
-    """Residual-TV certificate for a bounded support S (AsymSpec §IV-B).
+                        q: torch.Tensor, complete):
+    """Residual-TV certificate for a bounded support S (AsymSpec §IV-B). Batched.
 
     Args:
-        support_ids: [K] token ids of S; support_p: float64 [K] target p on S;
-        q: float64 [V] the draft distribution at the rejected position;
-        complete: S holds every token with p > 0 (then the restricted residual is exact).
+        support_ids: int [..., K] token ids of S; support_p: float64 [..., K] target p on S;
+        q: float64 [..., V] the draft distribution at the rejected position;
+        complete: bool (or bool [...]): S holds every token with p > 0, so the residual
+            restricted to S is the exact residual.
     Returns:
-        ``(eps_K, z_s, residual_s)`` with ``delta_p = 1 - sum_S p`` rounded up,
-        ``Z_S = sum_S max(0, p - q)`` rounded down, ``eps_K = delta_p / (Z_S + delta_p)``
-        (0 when ``complete``) and the unnormalised residual restricted to S, float64 [K].
-        ``eps_K`` bounds TV(restricted residual, exact residual); ``eps_K = 1`` when
-        ``Z_S = 0`` (S carries no residual mass: unusable).
+        ``(eps_K [...], z_s [...], residual_s [..., K])`` with ``delta_p = 1 - sum_S p``
+        rounded up, ``Z_S = sum_S max(0, p - q)`` rounded down,
+        ``eps_K = delta_p / (Z_S + delta_p)`` (0 when complete), and the unnormalised
+        residual restricted to S. ``eps_K`` bounds TV(restricted residual, exact
+        residual); it is 1 when ``Z_S = 0`` (S carries no residual mass: unusable).
     """
-    r_s = (support_p - q[support_ids]).clamp_min(0.0)
-    slack = (support_p.numel() + 1) * torch.finfo(PROB_DTYPE).eps  # float-sum error bound
-    z_s = max(0.0, float(r_s.sum()) - slack)
-    if z_s <= 0.0:
-        return 1.0, 0.0, r_s
-    if complete:
-        return 0.0, z_s, r_s
-    delta_p = min(1.0, max(0.0, 1.0 - float(support_p.sum())) + slack)
-    return min(1.0, delta_p / (z_s + delta_p)), z_s, r_s
+    r_s = (support_p - q.gather(-1, support_ids.long())).clamp_min(0.0)
+    slack = (support_p.shape[-1] + 1) * torch.finfo(PROB_DTYPE).eps  # float-sum error bound
+    z_s = (r_s.sum(-1) - slack).clamp_min(0.0)
+    delta_p = ((1.0 - support_p.sum(-1)).clamp_min(0.0) + slack).clamp_max(1.0)
+    eps = delta_p / (z_s + delta_p)
+    eps = torch.where(torch.as_tensor(complete), torch.zeros_like(eps), eps)
+    eps = torch.where(z_s > 0, eps, torch.ones_like(eps))
+    return eps, z_s, r_s
 
 
 def top_support(p: torch.Tensor, k: int):
-    """Top-K support of float64 ``p`` [V]: ids sorted by p desc, ties by id; zero-mass
-    tokens are left out. Returns ``(ids int64 [K'], probs float64 [K'])``, K' <= k."""
-    order = torch.argsort(-p, stable=True)
-    ids = order[:k]
-    ids = ids[p[ids] > 0]
-    return ids, p[ids]
+    """Top-K support of float64 ``p`` [..., V]: ids sorted by p desc, ties by lower id.
+
+    Returns ``(ids int64 [..., K], probs float64 [..., K])`` with K = min(k, V); entries
+    with zero mass may be included (they are never drawn).
+    """
+    order = torch.argsort(-p, dim=-1, stable=True)[..., :k]
+    return order, p.gather(-1, order)
+
+
+def support_is_complete(p: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [...]: the top-``k`` support holds every token with p > 0."""
+    return (p > 0).sum(-1) <= k

@@ -1,0 +1,146 @@
+"""Greedy identity (CASES 1): speculative output == plain target greedy decoding.
+
+Reference = the target alone through the same server (blocks of depth 0: one 1-token
+decode pass per token). Near-tie policy: in float32 the multi-token verification pass and
+the 1-token decode pass may differ by float rounding (~1e-6 in the logits), so a
+divergence is accepted only at a position where the reference's top-2 logit gap is below
+``NEAR_TIE`` (float32: 1e-4); the tiny-model tests require exact identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cloud_api.app import create_app
+from cloud_api.server import BackgroundServer
+from edge_sdk import EdgeClient, SamplingConfig
+from edge_sdk.drafters.torch import TorchDrafter
+from tests.conftest import tiny_model
+
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.125}
+
+
+def top2_gap(model, ids: list[int]) -> float:
+    with torch.inference_mode():
+        top = model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_identical(model, prompt_ids, ref: list[int], out: list[int], tol: float = 0.0):
+    """Equal token for token, or diverging only at a near-tie of the reference."""
+    if ref == out:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    gap = top2_gap(model, list(prompt_ids) + ref[:i]) if i < min(len(ref), len(out)) else None
+    assert gap is not None and gap < tol, (
+        f"diverged at {i}: ref {ref[i:i + 5]} vs {out[i:i + 5]}, top-2 gap {gap}")
+
+
+async def _pair(url, drafter, tok, prompt_ids, depth, cfg=None, mode="asym", n=40):
+    async with EdgeClient(url, drafter, tok, depth=depth, mode=mode, chat=False) as c:
+        ref = await c.generate(prompt_ids=prompt_ids, target_only=True, max_new_tokens=n,
+                               sampling=cfg)
+        out = await c.generate(prompt_ids=prompt_ids, max_new_tokens=n, sampling=cfg)
+    return ref, out
+
+
+@pytest.fixture(scope="module")
+def close_draft(target):
+    return tiny_model(seed=1, like=target, noise=0.01)
+
+
+@pytest.mark.parametrize("mode", ["asym", "standard"])
+@pytest.mark.parametrize("depth", range(1, 9))
+def test_tiny_greedy_identity(server, tok, target, close_draft, depth, mode):
+    ref, out = asyncio.run(_pair(server.url, TorchDrafter(close_draft), tok, [5, 9, 11],
+                                 depth, mode=mode))
+    assert out.token_ids == ref.token_ids
+    assert out.text == ref.text and out.finish_reason == ref.finish_reason
+    assert out.metrics["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+def test_tiny_greedy_identity_with_repetition_penalty(server, tok, target, close_draft, depth):
+    cfg = SamplingConfig(repetition_penalty=1.3)
+    ref, out = asyncio.run(_pair(server.url, TorchDrafter(close_draft), tok, [5, 9, 11],
+                                 depth, cfg))
+    assert out.token_ids == ref.token_ids
+
+
+def test_tiny_greedy_identity_batched(tok, target, close_draft):
+    """8 concurrent requests share verification batches (max_batch 4): each equals its
+    unbatched reference."""
+    prompts = [[2 + i, 7, 11 + i] for i in range(8)]
+    app = create_app(target, tok, max_batch=4, max_wait_s=0.01)
+
+    async def main(url):
+        async def one(p, depth):
+            async with EdgeClient(url, TorchDrafter(close_draft), tok, depth=depth,
+                                  chat=False) as c:
+                return await c.generate(prompt_ids=p, max_new_tokens=30)
+
+        async with EdgeClient(url, None, tok, chat=False) as ref_client:
+            refs = [await ref_client.generate(prompt_ids=p, max_new_tokens=30) for p in prompts]
+        outs = await asyncio.gather(*(one(p, 1 + i % 8) for i, p in enumerate(prompts)))
+        return refs, outs
+
+    with BackgroundServer(app) as srv:
+        from cloud_api.app import SERVICE
+
+        refs, outs = asyncio.run(main(srv.url))
+        sizes = app[SERVICE].queue.batch_sizes
+    assert [r.token_ids for r in refs] == [o.token_ids for o in outs]
+    assert max(sizes) > 1, "the concurrent requests never shared a batch"
+
+
+# ----------------------------------------------------------------------------- real model
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from edge_sdk.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def real_prompts(smollm2):
+    from edge_sdk.bench.workloads import load_workload
+    from edge_sdk.models import encode_prompt
+
+    _, tok = smollm2
+    chats = load_workload("mtbench", n=3, seed=1)
+    code = load_workload("humaneval", n=2, seed=1)
+    return ([encode_prompt(tok, p.text, True) for p in chats]
+            + [encode_prompt(tok, p.text, False) for p in code])
+
+
+@pytest.mark.real_model
+def test_smollm2_greedy_identity(smollm2, real_prompts):
+    """SmolLM2-135M target, 5 real prompts (MT-Bench + HumanEval), depths 1..8 spread
+    over them (two depths per prompt), float32."""
+    from edge_sdk.models import load_model
+
+    target, tok = smollm2
+    from specrelay_cli import default_draft
+
+    draft, _ = load_model(default_draft())
+    depths = [(1, 5), (2, 6), (3, 7), (4, 8), (2, 8)]
+
+    async def run(url, ids, pair):
+        async with EdgeClient(url, None, tok, chat=False) as c:
+            ref = await c.generate(prompt_ids=ids, max_new_tokens=24)
+        outs = []
+        for d in pair:
+            async with EdgeClient(url, TorchDrafter(draft), tok, depth=d, chat=False) as c:
+                outs.append(await c.generate(prompt_ids=ids, max_new_tokens=24))
+        return ref, outs
+
+    with BackgroundServer(create_app(target, tok)) as srv:
+        for ids, pair in zip(real_prompts, depths):
+            ref, outs = asyncio.run(run(srv.url, ids, pair))
+            for out in outs:
+                assert_identical(target, ids, ref.token_ids, out.token_ids,
+                                 NEAR_TIE["float32"])
