@@ -62,15 +62,17 @@ class CloudService:
 
     def __init__(self, model, tokenizer, *, max_block: int = 8, max_batch: int = 8,
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
-                 max_sessions: int = 256, threads: int | None = None):
+                 max_sessions: int = 256, threads: int | None = None, metrics=None):
         self.model, self.tokenizer = model, tokenizer
         self.verifier = Verifier(model, max_block)
         self.sessions = SessionStore(session_ttl_s, max_sessions)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")
-        self.queue = VerifyQueue(self.verifier, self.executor, max_batch, max_wait_s)
+        self.queue = VerifyQueue(self.verifier, self.executor, max_batch, max_wait_s,
+                                 metrics.batch_size.observe if metrics else None)
         self.eos = eos_ids(model, tokenizer)
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.threads = threads
+        self.metrics = metrics
         self._locks: dict[int, asyncio.Lock] = {}
 
     async def start(self, app=None) -> None:
@@ -103,6 +105,9 @@ class CloudService:
         loop = asyncio.get_running_loop()
         prefill_s = await loop.run_in_executor(self.executor, self.verifier.prefill, s)
         self.sessions.add(s)
+        if self.metrics is not None:
+            self.metrics.sessions.set(len(self.sessions))
+            self.metrics.evictions.set(self.sessions.evictions)
         return {**s.state(), "prompt_ids": ids, "vocab_size": V,
                 "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
                 "prefill_s": prefill_s}
@@ -125,6 +130,8 @@ class CloudService:
                 charge(len(req.tokens) + 1)
             resp = await self.queue.submit(s, req)
             out = resp.encode()
+            if self.metrics is not None:
+                self.metrics.observe_verify(resp, len(req.tokens))
             s.last = (req.block_seq, digest, out)
             return out
 
@@ -132,7 +139,11 @@ class CloudService:
         s = self.sessions.get(sid, owner)
         async with self.lock(s.id):
             req = wire.CorrectionRequest.decode(body, self.verifier.vocab_size)
-            return self.verifier.correction(s, req).encode()
+            out = self.verifier.correction(s, req).encode()
+            if self.metrics is not None:
+                self.metrics.corrections.labels(
+                    "full_fetch" if req.k is None else "support_fetch").inc()
+            return out
 
     def delete(self, sid: str, owner: str | None) -> None:
         s = self.sessions.get(sid, owner)
@@ -218,7 +229,10 @@ def create_app(model, tokenizer, *, key_store=None, middlewares=(),
         service_kw: :class:`CloudService` options (max_block, max_batch, max_wait_s,
             session_ttl_s, max_sessions, threads).
     """
-    mws = [error_middleware]
+    from cloud_api.metrics import METRICS, ApiMetrics, metrics_handler, metrics_middleware
+
+    metrics = ApiMetrics()
+    mws = [metrics_middleware(metrics), error_middleware]
     if key_store is not None:
         from cloud_api.auth import auth_middleware
         from cloud_api.ratelimit import RateLimiter, ratelimit_middleware
@@ -227,8 +241,10 @@ def create_app(model, tokenizer, *, key_store=None, middlewares=(),
                 ratelimit_middleware(RateLimiter(store=key_store))]
     app = web.Application(middlewares=[*mws, *middlewares],
                           client_max_size=client_max_size)
-    svc = CloudService(model, tokenizer, **service_kw)
+    svc = CloudService(model, tokenizer, metrics=metrics, **service_kw)
     app[SERVICE] = svc
+    app[METRICS] = metrics
+    app.router.add_get("/metrics", metrics_handler)
     app.on_startup.append(svc.start)
     app.on_cleanup.append(svc.stop)
     app.router.add_post("/v1/sessions", create_session)
@@ -237,4 +253,5 @@ def create_app(model, tokenizer, *, key_store=None, middlewares=(),
     app.router.add_get("/v1/sessions/{sid}", get_session)
     app.router.add_delete("/v1/sessions/{sid}", delete_session)
     app.router.add_get("/healthz", healthz)
+    __import__("cloud_api.stream", fromlist=["register"]).register(app)  # POST .../generate
     return app

@@ -9,12 +9,13 @@ from concurrent.futures import Executor
 class VerifyQueue:
     """Collects (session, request) pairs; a worker hands the verifier batches of up to
     ``max_batch`` items, waiting at most ``max_wait_s`` seconds for more after the first.
+    ``on_batch(size)`` is called for every batch (metrics).
     Batches are formed from whatever is available, independently of arrival grouping.
     """
 
     def __init__(self, verifier, executor: Executor, max_batch: int = 8,
-                 max_wait_s: float = 0.0):
-        self.verifier, self.executor = verifier, executor
+                 max_wait_s: float = 0.0, on_batch=None):
+        self.verifier, self.executor, self.on_batch = verifier, executor, on_batch
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
         self._q: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -53,6 +54,8 @@ class VerifyQueue:
                 except (asyncio.QueueEmpty, asyncio.TimeoutError):
                     break
             self.batch_sizes.append(len(batch))
+            if self.on_batch is not None:
+                self.on_batch(len(batch))
             items = [(s, r) for s, r, _ in batch]
             try:
                 results = await loop.run_in_executor(self.executor,

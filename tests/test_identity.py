@@ -144,3 +144,21 @@ def test_smollm2_greedy_identity(smollm2, real_prompts):
             for out in outs:
                 assert_identical(target, ids, ref.token_ids, out.token_ids,
                                  NEAR_TIE["float32"])
+
+
+@pytest.mark.real_model
+def test_smollm2_bfloat16_identity_up_to_bf16_ties(real_prompts):
+    """bfloat16 target: logits are coarse (8-bit mantissa) and the 1-token decode pass
+    and the multi-token verification pass round differently, so exact ties and
+    near-ties flip. Policy: a divergence is allowed only where the reference's top-2
+    logit gap is below 0.125 (two bf16 ulps for logits in [16, 32)); measured on
+    MT-Bench prompts, every divergence sat at a gap of exactly 0."""
+    from edge_sdk.models import load_model
+    from specrelay_cli import default_draft
+
+    target, tok = load_model("smollm2-135m", dtype="bfloat16")
+    draft, _ = load_model(default_draft())
+    with BackgroundServer(create_app(target, tok)) as srv:
+        for ids in real_prompts[:3]:
+            ref, out = asyncio.run(_pair(srv.url, TorchDrafter(draft), tok, ids, 4, n=24))
+            assert_identical(target, ids, ref.token_ids, out.token_ids, NEAR_TIE["bfloat16"])

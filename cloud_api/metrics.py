@@ -1,0 +1,97 @@
+"""Prometheus metrics for the verification API (``GET /metrics``).
+
+Each app gets its own ``CollectorRegistry`` (several apps can live in one process).
+Names follow SPEC §7 where a counter exists for them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+METRICS = web.AppKey("metrics", object)
+
+
+class ApiMetrics:
+    """The counters, gauges and histograms of one app."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specrelay_requests_total", "HTTP requests",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("specrelay_request_seconds", "HTTP request latency (s)",
+                                 ["endpoint"], registry=r,
+                                 buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1,
+                                          2.5, 5, 10))
+        self.bytes = Counter("specrelay_body_bytes_total", "Body bytes by direction",
+                             ["direction"], registry=r)
+        self.drafted = Counter("specrelay_drafted_tokens_total", "Draft tokens verified",
+                               registry=r)
+        self.accepted = Counter("specrelay_accepted_tokens_total",
+                                "Draft tokens the target accepted", registry=r)
+        self.bonus = Counter("specrelay_bonus_tokens_total", "Bonus tokens drawn", registry=r)
+        self.corrections = Counter("specrelay_corrections_total",
+                                   "Rejections by how the correction was served",
+                                   ["kind"], registry=r)
+        self.passes = Counter("specrelay_target_passes_total", "Target forward passes",
+                              registry=r)
+        self.target_seconds = Counter("specrelay_target_seconds_total",
+                                      "Target compute time (s)", registry=r)
+        self.batch_size = Histogram("specrelay_batch_size", "Blocks per verification batch",
+                                    registry=r, buckets=(1, 2, 4, 8, 16, 32))
+        self.sessions = Gauge("specrelay_sessions", "Open sessions", registry=r)
+        self.evictions = Gauge("specrelay_session_evictions", "Sessions evicted (TTL/limit)",
+                               registry=r)
+
+    def observe_verify(self, resp, g: int) -> None:
+        """Count one verified block of depth ``g`` (a VerifyResponse)."""
+        self.drafted.inc(g)
+        self.accepted.inc(resp.accepted)
+        self.passes.inc()
+        self.target_seconds.inc(resp.target_s)
+        if resp.next_token is not None and resp.accepted == g:
+            self.bonus.inc()
+        elif resp.next_token is not None:
+            self.corrections.labels("cloud_drawn").inc()
+        else:
+            self.corrections.labels("staged").inc()
+
+
+def _endpoint(request: web.Request) -> str:
+    route = request.match_info.route
+    info = route.resource.canonical if route.resource is not None else "unmatched"
+    return f"{request.method} {info}"
+
+
+def metrics_middleware(m: ApiMetrics):
+    """Counts requests by endpoint and status, latency and body bytes."""
+
+    @web.middleware
+    async def mw(request: web.Request, handler):
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            if isinstance(resp, web.Response) and isinstance(resp.body, bytes):
+                m.bytes.labels("out").inc(len(resp.body))
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            ep = _endpoint(request)
+            m.requests.labels(ep, str(status)).inc()
+            m.latency.labels(ep).observe(time.perf_counter() - t0)
+            m.bytes.labels("in").inc(request.content_length or 0)
+
+    return mw
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    m: ApiMetrics = request.app[METRICS]
+    return web.Response(body=generate_latest(m.registry),
+                        headers={"content-type": CONTENT_TYPE_LATEST})

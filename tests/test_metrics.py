@@ -1,0 +1,36 @@
+"""Prometheus /metrics: request counts, SPEC §7 counters, batch sizes, sessions."""
+
+import asyncio
+
+import aiohttp
+
+from edge_sdk import EdgeClient
+from edge_sdk.drafters.torch import TorchDrafter
+
+
+def _value(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(name + (("{" + labels) if labels else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_what_the_client_saw(server, tok, draft):
+    async def main():
+        async with EdgeClient(server.url, TorchDrafter(draft), tok, depth=3, chat=False) as c:
+            r = await c.generate(prompt_ids=[4, 5, 6], max_new_tokens=20)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(server.url + "/metrics") as resp:
+                assert resp.status == 200
+                return r, await resp.text()
+
+    r, text = asyncio.run(main())
+    m = r.metrics
+    assert _value(text, "specrelay_drafted_tokens_total") == m["drafted_tokens"]
+    assert _value(text, "specrelay_accepted_tokens_total") == m["accepted_tokens"]
+    assert _value(text, "specrelay_target_passes_total") == m["rounds"]
+    assert _value(text, "specrelay_bonus_tokens_total") == m["bonus_tokens"]
+    assert _value(text, "specrelay_batch_size_count") == m["rounds"]
+    assert _value(text, "specrelay_requests_total",
+                  'endpoint="POST /v1/sessions/{sid}/verify",status="200"') == m["rounds"]
+    assert _value(text, "specrelay_body_bytes_total", 'direction="in"') >= m["uplink_bytes"]
