@@ -57,15 +57,26 @@ async def error_middleware(request: web.Request, handler):
         raise
 
 
+def kv_bytes_per_token(model) -> int:
+    """KV-cache bytes one token costs: layers x 2 (K, V) x kv_heads x head_dim x dtype."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * heads * head_dim * next(model.parameters()).element_size()
+
+
 class CloudService:
     """Owns the target model, the sessions and the verification queue."""
 
     def __init__(self, model, tokenizer, *, max_block: int = 8, max_batch: int = 8,
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
-                 max_sessions: int = 256, threads: int | None = None, metrics=None):
+                 max_sessions: int = 256, max_sessions_per_key: int = 64,
+                 kv_budget_bytes: int | None = None, threads: int | None = None,
+                 metrics=None):
         self.model, self.tokenizer = model, tokenizer
         self.verifier = Verifier(model, max_block)
-        self.sessions = SessionStore(session_ttl_s, max_sessions)
+        self.sessions = SessionStore(session_ttl_s, max_sessions, max_sessions_per_key,
+                                     kv_budget_bytes, kv_bytes_per_token(model))
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")
         self.queue = VerifyQueue(self.verifier, self.executor, max_batch, max_wait_s,
                                  metrics.batch_size.observe if metrics else None)
@@ -129,6 +140,7 @@ class CloudService:
             if charge is not None:
                 charge(len(req.tokens) + 1)
             resp = await self.queue.submit(s, req)
+            self.sessions.enforce(keep=s.id)   # the block grew the KV cache
             out = resp.encode()
             if self.metrics is not None:
                 self.metrics.observe_verify(resp, len(req.tokens))

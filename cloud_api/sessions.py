@@ -79,11 +79,22 @@ class Session:
 
 
 class SessionStore:
-    """Sessions by id with a TTL and a count limit (oldest idle evicted first)."""
+    """Sessions by id with a TTL, a count limit, a per-key limit and a KV memory budget.
 
-    def __init__(self, ttl_s: float = 600.0, max_sessions: int = 256):
+    Over the count limit or the memory budget the least recently used sessions are
+    evicted; an evicted session answers 404 ``session_evicted`` (the SDK re-creates it
+    from its confirmed prefix). Args: ttl_s (seconds idle), max_sessions,
+    max_sessions_per_key, kv_budget_bytes (None = unlimited), kv_bytes_per_token.
+    """
+
+    def __init__(self, ttl_s: float = 600.0, max_sessions: int = 256,
+                 max_sessions_per_key: int = 64, kv_budget_bytes: int | None = None,
+                 kv_bytes_per_token: int = 0):
         self.ttl_s, self.max_sessions = ttl_s, max_sessions
+        self.max_per_key, self.kv_budget = max_sessions_per_key, kv_budget_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
         self._s: dict[int, Session] = {}
+        self._evicted: dict[int, None] = {}   # recent evictions, for a clear error
         self.evictions = 0
 
     def new_id(self) -> int:
@@ -92,23 +103,49 @@ class SessionStore:
             if sid and sid not in self._s:
                 return sid
 
+    def kv_bytes(self) -> int:
+        return sum(len(s.tokens) for s in self._s.values()) * self.kv_bytes_per_token
+
     def add(self, s: Session) -> None:
+        """Register a session. Raises ApiError 429 when its key has too many."""
         self.expire()
-        while len(self._s) >= self.max_sessions:
-            oldest = min(self._s.values(), key=lambda x: x.touched)
-            self.remove(oldest.id)
-            self.evictions += 1
+        if sum(1 for x in self._s.values() if x.owner == s.owner) >= self.max_per_key:
+            raise ApiError(429, "too_many_sessions",
+                           f"at most {self.max_per_key} open sessions per key", "session")
         self._s[s.id] = s
+        self.enforce(keep=s.id)
+
+    def enforce(self, keep: int | None = None) -> None:
+        """Evict least recently used sessions beyond the count or memory budget."""
+        def over() -> bool:
+            return len(self._s) > self.max_sessions or (
+                self.kv_budget is not None and self.kv_bytes() > self.kv_budget)
+
+        while over() and len(self._s) > 1:
+            victim = min((x for x in self._s.values() if x.id != keep),
+                         key=lambda x: x.touched)
+            self.evict(victim.id)
+
+    def evict(self, sid: int) -> None:
+        self.remove(sid)
+        self._evicted[sid] = None
+        while len(self._evicted) > 4096:
+            self._evicted.pop(next(iter(self._evicted)))
+        self.evictions += 1
 
     def get(self, sid_text: str, owner: str | None = None) -> Session:
-        """Raises ApiError 404 for unknown, expired or foreign sessions."""
+        """Raises ApiError 404 for unknown, expired, evicted or foreign sessions."""
         self.expire()
         try:
-            s = self._s[int(sid_text)]
-        except (KeyError, ValueError):
-            raise ApiError(404, "session_not_found", "unknown or expired session",
-                           "session_id") from None
-        if s.owner != owner:
+            sid = int(sid_text)
+        except ValueError:
+            sid = -1
+        s = self._s.get(sid)
+        if s is None or s.owner != owner:
+            if sid in self._evicted:
+                raise ApiError(404, "session_evicted", "session was evicted (idle, memory "
+                               "or count limit): re-create it from the confirmed prefix",
+                               "session_id")
             raise ApiError(404, "session_not_found", "unknown or expired session",
                            "session_id")
         s.touched = time.monotonic()
@@ -120,8 +157,7 @@ class SessionStore:
     def expire(self) -> None:
         now = time.monotonic()
         for sid in [k for k, s in self._s.items() if now - s.touched > self.ttl_s]:
-            self.remove(sid)
-            self.evictions += 1
+            self.evict(sid)
 
     def __len__(self) -> int:
         return len(self._s)
