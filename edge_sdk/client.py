@@ -20,6 +20,7 @@ from edge_sdk.metrics import RequestMetrics
 from edge_sdk.models import encode_prompt, tokenizer_fingerprint
 from edge_sdk.protocol import wire
 from edge_sdk.protocol.sampling import SamplingConfig
+from edge_sdk.scheduler import DraftScheduler
 from edge_sdk.transport import MSGPACK, RemoteError, Transport
 
 
@@ -60,12 +61,16 @@ class EdgeClient:
         support_k, n_proposals: correction stage sizes requested from the cloud.
         signer: request signer (see ``edge_sdk.protocol.signing``) or None.
         chat: wrap text prompts in the tokenizer's chat template.
+        scheduler: the :class:`DraftScheduler` granting draft compute to concurrent
+            requests (one is made per client when None). Concurrent ``generate`` calls
+            on one client form the confirmed-prefix pipeline: while one request waits
+            for verification, another drafts.
     """
 
     def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = 4,
                  mode: str = "asym", eps_req: float = 0.0, correction: str = "auto",
                  support_k: int = 32, n_proposals: int = 4, signer=None, chat: bool = True,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, scheduler: DraftScheduler | None = None):
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
         if correction not in C.MODES:
@@ -74,9 +79,13 @@ class EdgeClient:
         self.depth, self.mode, self.eps_req, self.correction = depth, mode, eps_req, correction
         self.support_k, self.n_proposals, self.chat = support_k, n_proposals, chat
         self.transport = transport or Transport(base_url, signer=signer)
+        self.scheduler = scheduler or DraftScheduler()
+        self._own_scheduler = scheduler is None
 
     async def close(self) -> None:
         await self.transport.close()
+        if self._own_scheduler:
+            self.scheduler.shutdown()
 
     async def __aenter__(self):
         return self
@@ -128,6 +137,7 @@ class Generation:
         self.m = RequestMetrics()
         self.gen = torch.Generator().manual_seed(seed)
         self.committer: Committer | None = None
+        self.drafter = None if self.target_only else client.drafter.fork()
 
     def result(self) -> GenerationResult:
         cm = self.committer
@@ -163,11 +173,14 @@ class Generation:
 
     # ------------------------------------------------------------------ rounds
 
-    def _draft(self, tokens: list[int]) -> DraftBlock | None:
+    async def _draft(self, tokens: list[int]) -> DraftBlock | None:
+        """Open a block: draft on the scheduler's worker once granted (None: depth 0)."""
         g = 0 if self.target_only else min(self.depth, self.committer.remaining - 1)
         if g <= 0:
             return None
-        return self.c.drafter.propose(tokens, g, self.cfg, self.gen)
+        return await self.c.scheduler.draft(self, len(self.committer.token_ids),
+                                            self.drafter.propose, tokens, g, self.cfg,
+                                            self.gen)
 
     def _request(self, tokens: list[int], block: DraftBlock | None) -> wire.VerifyRequest:
         toks = np.array(block.tokens if block else [], dtype=np.int64)
@@ -198,9 +211,15 @@ class Generation:
         return resp
 
     async def _round(self, tokens: list[int]) -> list[int]:
-        """One verification round; returns the newly confirmed tokens."""
+        """One verification round (one open block); returns the newly confirmed tokens."""
+        block = await self._draft(tokens)
+        try:
+            return await self._verify_and_commit(tokens, block)
+        finally:
+            self.c.scheduler.close(self)      # committed or aborted: ready again
+
+    async def _verify_and_commit(self, tokens: list[int], block: DraftBlock | None):
         m = self.m
-        block = self._draft(tokens)
         g = len(block) if block else 0
         t0 = time.perf_counter()
         resp = await self._send(tokens, block)

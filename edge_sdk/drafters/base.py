@@ -53,6 +53,12 @@ class Drafter(ABC):
     def cache_len(self) -> int:
         """Tokens currently in the draft KV cache."""
 
+    def fork(self) -> "Drafter":
+        """A drafter sharing this one's weights with its own KV cache, for one more
+        concurrent request. Backends that cannot fork return ``self`` (still correct:
+        ``sync`` rolls the shared cache back, at the cost of re-prefilling)."""
+        return self
+
     def propose(self, context: Sequence[int], depth: int, cfg: SamplingConfig,
                 generator: torch.Generator | None = None) -> DraftBlock:
         """Draft ``depth`` tokens after ``context`` [n] with the target's sampling config.

@@ -25,3 +25,6 @@ class TorchDrafter(Drafter):
 
     def cache_len(self) -> int:
         return self.kv.cache_len()
+
+    def fork(self) -> "TorchDrafter":
+        return TorchDrafter(self.kv.model)
