@@ -79,7 +79,7 @@ class CloudService:
                                      kv_budget_bytes, kv_bytes_per_token(model))
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")
         self.queue = VerifyQueue(self.verifier, self.executor, max_batch, max_wait_s,
-                                 metrics.batch_size.observe if metrics else None)
+                                 metrics.observe_batch if metrics else None)
         self.eos = eos_ids(model, tokenizer)
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.threads = threads
@@ -102,6 +102,10 @@ class CloudService:
     async def create(self, body: dict, owner: str | None) -> dict:
         V = self.verifier.vocab_size
         m = wire.decode_session_request(body, V, self.verifier.max_context)
+        if m["vocab_size"] is not None and m["vocab_size"] != V:
+            raise ApiError(422, "vocab_mismatch", f"draft vocabulary {m['vocab_size']} does "
+                           f"not match the target's {V}: draft and target must share a "
+                           "tokenizer", "vocab_size")
         fp = m["tokenizer_hash"]
         if fp is not None and fp != self.fingerprint:
             raise ApiError(422, "tokenizer_mismatch", "the draft's tokenizer differs from "
@@ -173,7 +177,7 @@ async def _read_control(request: web.Request) -> dict:
     if request.content_type == "application/json":
         try:
             return json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: absurdly deep nesting
             raise ApiError(400, "bad_request", "body is not valid JSON", "body") from None
     return wire.unpack(body)
 

@@ -46,11 +46,15 @@ class ApiMetrics:
         self.evictions = Gauge("specrelay_session_evictions", "Sessions evicted (TTL/limit)",
                                registry=r)
 
+    def observe_batch(self, size: int) -> None:
+        """One target pass over ``size`` blocks (a batched pass counts once)."""
+        self.batch_size.observe(size)
+        self.passes.inc()
+
     def observe_verify(self, resp, g: int) -> None:
         """Count one verified block of depth ``g`` (a VerifyResponse)."""
         self.drafted.inc(g)
         self.accepted.inc(resp.accepted)
-        self.passes.inc()
         self.target_seconds.inc(resp.target_s)
         if resp.next_token is not None and resp.accepted == g:
             self.bonus.inc()

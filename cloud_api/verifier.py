@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from cloud_api.sessions import ApiError, Session
+from edge_sdk.kvmodel import batched_forward
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
                                     VerifyRequest, VerifyResponse)
@@ -20,8 +21,9 @@ from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionRes
 class Verifier:
     """Verifies blocks against the target model.
 
-    ``verify_batch`` takes a list of (session, request) pairs so a batching front end
-    can hand over whatever has arrived; each pair is answered on its own.
+    ``verify_batch`` takes a list of (session, request) pairs (a batching front end
+    hands over whatever has arrived) and runs them in one padded target pass; each pair
+    is answered on its own. ``passes`` counts target passes (a batch counts once).
     """
 
     def __init__(self, model, max_block: int = 8):
@@ -41,13 +43,39 @@ class Verifier:
         return time.perf_counter() - t0
 
     def verify_batch(self, items: list[tuple[Session, VerifyRequest]]):
-        """Returns one ``VerifyResponse`` or ``ApiError`` per item, in order."""
-        out = []
-        for s, req in items:
+        """Verify blocks of different sessions in ONE batched target pass (rows padded
+        to a common length, each session's own KV cache). Returns one VerifyResponse or
+        ApiError per item, in order; each session ends at its own confirmed prefix."""
+        results: list = [None] * len(items)
+        ready = []
+        for i, (s, req) in enumerate(items):
             try:
-                out.append(self.verify(s, req))
+                self.check(s, req)
             except ApiError as e:
-                out.append(e)
+                results[i] = e
+                continue
+            context = s.tokens + ([req.pending_commit] if s.awaiting else [])
+            ready.append((i, s, req, context, [int(t) for t in req.tokens]))
+        if len({id(s) for _, s, *_ in ready}) != len(ready):
+            raise AssertionError("two blocks of one session in a batch")
+        if not ready:
+            return results
+        t0 = time.perf_counter()
+        for _, s, _, context, _ in ready:
+            s.kv.align(context[:-1])
+        logits = batched_forward([s.kv for _, s, *_ in ready],
+                                 [[ctx[-1]] + blk for *_, ctx, blk in ready])
+        share = (time.perf_counter() - t0) / len(ready)   # cost per block, seconds
+        self.passes += 1
+        for (i, s, req, context, block), lg in zip(ready, logits):
+            results[i] = self._decide(s, req, context, block, lg, share)
+        return results
+
+    def verify(self, s: Session, req: VerifyRequest) -> VerifyResponse:
+        """Verify one block (a batch of one). Raises ApiError."""
+        out = self.verify_batch([(s, req)])[0]
+        if isinstance(out, ApiError):
+            raise out
         return out
 
     # ------------------------------------------------------------------ one block
@@ -83,17 +111,10 @@ class Verifier:
         elif req.q_tok is None and g:
             raise ApiError(422, "bad_field", "sampling configs need q for each draft", "q")
 
-    def verify(self, s: Session, req: VerifyRequest) -> VerifyResponse:
-        """Run one block: one target pass over ``[last confirmed] + drafts``.
-
-        Mutates the session only after the pass succeeded (never half-updated).
-        """
-        self.check(s, req)
-        context = s.tokens + ([req.pending_commit] if s.awaiting else [])
-        block = [int(t) for t in req.tokens]
-        g = len(block)
-        t0 = time.perf_counter()
-        logits = s.kv.sync(context, block)                     # [g+1, V]
+    def _decide(self, s: Session, req: VerifyRequest, context: list[int],
+                block: list[int], logits: torch.Tensor, target_s: float) -> VerifyResponse:
+        """Apply the acceptance rule to the target logits [g+1, V] of one block and
+        commit: confirmed += accepted drafts (+ next token); cache = confirmed[:-1]."""
         seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long),
                                 self.vocab_size) if s.cfg.repetition_penalty != 1.0 else None)
         x = S.process_logits(logits, s.cfg, seen)               # float64 [g+1, V]
@@ -104,17 +125,14 @@ class Verifier:
         else:
             p = torch.softmax(x, dim=-1)
             a, nxt, corr, p_rej = self._sample_verdict(s, req, p, block, gen)
-        dt = time.perf_counter() - t0
-        # commit: confirmed += accepted drafts (+ next token); cache = confirmed[:-1]
         s.kv.crop(len(context) + a)
         s.tokens = context + block[:a] + ([nxt] if nxt is not None else [])
         s.awaiting = corr is not None
         s.pending_p = (req.block_seq, p_rej) if corr is not None else None
         s.next_seq += 1
         s.check_kv()
-        self.passes += 1
-        self.target_seconds += dt
-        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, dt)
+        self.target_seconds += target_s
+        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s)
 
     def _sample_verdict(self, s: Session, req: VerifyRequest, p, block, gen):
         g = len(block)

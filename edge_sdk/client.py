@@ -81,6 +81,19 @@ class EdgeClient:
         self.transport = transport or Transport(base_url, signer=signer)
         self.scheduler = scheduler or DraftScheduler()
         self._own_scheduler = scheduler is None
+        self._drafter_in_use = False
+
+    def _lease_drafter(self) -> Drafter:
+        """The client's drafter for the first active request; concurrent requests get
+        forks (own KV cache, shared weights)."""
+        if self._drafter_in_use:
+            return self.drafter.fork()
+        self._drafter_in_use = True
+        return self.drafter
+
+    def _return_drafter(self, d: Drafter | None) -> None:
+        if d is self.drafter:
+            self._drafter_in_use = False
 
     async def close(self) -> None:
         await self.transport.close()
@@ -137,7 +150,7 @@ class Generation:
         self.m = RequestMetrics()
         self.gen = torch.Generator().manual_seed(seed)
         self.committer: Committer | None = None
-        self.drafter = None if self.target_only else client.drafter.fork()
+        self.drafter = None if self.target_only else client._lease_drafter()
 
     def result(self) -> GenerationResult:
         cm = self.committer
@@ -273,6 +286,7 @@ class Generation:
                 m.wasted_draft_tokens = m.drafted_tokens - m.accepted_tokens
         finally:
             m.finish()
+            c._return_drafter(self.drafter)
             try:
                 await self._call("DELETE", self.path)
             except Exception:  # noqa: BLE001 - cleanup is best effort; TTL evicts anyway

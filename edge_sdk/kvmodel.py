@@ -48,9 +48,7 @@ class KVModel:
         try:
             out = self.model(input_ids=x, cache=self.cache, use_cache=True)
         except BaseException:
-            # a half-updated cache cannot be trimmed reliably: rebuild it from scratch
-            self.cache = DynamicCache(config=self.model.config)
-            self.ids = []
+            self.rebuild()  # a half-updated cache cannot be trimmed reliably
             raise
         self.ids.extend(int(t) for t in new_ids)
         self.check()
@@ -74,6 +72,23 @@ class KVModel:
         new = list(context[len(self.ids):]) + list(block)
         return self.forward(new)[-(len(block) + 1):]
 
+    def align(self, prefix: Sequence[int]) -> None:
+        """Make the cache hold exactly ``prefix``: roll back to the longest common
+        prefix, then run whatever is missing (after a rebuild, say)."""
+        common = 0
+        for a, b in zip(self.ids, prefix):
+            if a != b:
+                break
+            common += 1
+        self.crop(common)
+        if len(prefix) > common:
+            self.forward(prefix[common:])
+
+    def rebuild(self) -> None:
+        """Drop the cache entirely (it will be refilled by ``align``/``sync``)."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.ids = []
+
     def reset(self) -> None:
         self.crop(0)
 
@@ -82,3 +97,62 @@ class KVModel:
         n = self.cache_len()
         if n != len(self.ids):
             raise AssertionError(f"KV cache holds {n} tokens, expected {len(self.ids)}")
+
+
+@torch.inference_mode()
+def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """One forward over several sequences with their own KV caches (same model).
+
+    Row b continues ``kvs[b]`` (past length L_b) with ``news[b]`` (T_b tokens). Pasts
+    are left-padded to max L and new tokens right-padded to max T; an explicit 4-D mask
+    hides the padding and keeps attention causal; position ids continue each row's own
+    past. Afterwards each cache is extended by exactly its own T_b new entries.
+
+    Returns float32 logits per row, [T_b, V]. A batch of one runs unpadded (bit-identical
+    to :meth:`KVModel.forward`). Raises ValueError for an empty row.
+    """
+    if len(kvs) == 1:
+        return [kvs[0].forward(news[0])]
+    model = kvs[0].model
+    if any(not n for n in news):
+        raise ValueError("every row needs at least one new token")
+    B, L, T = len(kvs), [len(k.ids) for k in kvs], [len(n) for n in news]
+    Lm, Tm = max(L), max(T)
+    cache = DynamicCache(config=model.config)
+    if Lm:
+        ref = next(k for k in kvs if k.ids).cache.layers
+        for layer in range(len(ref)):
+            ks, vs = [], []
+            for kv, lb in zip(kvs, L):
+                if lb:
+                    k, v = kv.cache.layers[layer].keys, kv.cache.layers[layer].values
+                else:
+                    k = v = ref[layer].keys[:1, :, :0]
+                pad = (0, 0, Lm - lb, 0)
+                ks.append(torch.nn.functional.pad(k, pad))
+                vs.append(torch.nn.functional.pad(v, pad))
+            cache.update(torch.cat(ks), torch.cat(vs), layer)
+    ids = torch.zeros(B, Tm, dtype=torch.long)
+    pos = torch.arange(Tm).unsqueeze(0) + torch.tensor(L).unsqueeze(1)
+    mask = torch.zeros(B, 1, Tm, Lm + Tm, dtype=torch.bool)
+    causal = torch.tril(torch.ones(Tm, Tm, dtype=torch.bool))
+    for b in range(B):
+        ids[b, :T[b]] = torch.tensor(list(news[b]))
+        mask[b, 0, :, Lm - L[b]:Lm] = True
+        mask[b, 0, :, Lm:Lm + T[b]] = causal[:, :T[b]]
+    try:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                       use_cache=True).logits.float()
+    except BaseException:
+        for kv in kvs:   # their caches were not touched, but be safe: refill lazily
+            kv.rebuild()
+        raise
+    out = []
+    for b, kv in enumerate(kvs):
+        for layer, lay in enumerate(cache.layers):
+            kv.cache.update(lay.keys[b:b + 1, :, Lm:Lm + T[b]].clone(),
+                            lay.values[b:b + 1, :, Lm:Lm + T[b]].clone(), layer)
+        kv.ids.extend(int(t) for t in news[b])
+        kv.check()
+        out.append(logits[b, :T[b]])
+    return out

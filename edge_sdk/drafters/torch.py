@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -27,4 +28,6 @@ class TorchDrafter(Drafter):
         return self.kv.cache_len()
 
     def fork(self) -> "TorchDrafter":
-        return TorchDrafter(self.kv.model)
+        clone = copy.copy(self)          # keeps subclass and settings
+        clone.kv = KVModel(self.kv.model)
+        return clone
