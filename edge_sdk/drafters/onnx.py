@@ -1,0 +1,348 @@
+"""onnxruntime draft backend: a decoder exported with KV-cache inputs/outputs.
+
+The graph follows optimum's naming (``exporters/onnx.py`` writes it):
+
+inputs
+    ``input_ids`` int64 [B, S]; ``attention_mask`` int64 [B, P+S] (if present);
+    ``position_ids`` int64 [B, S] (if present); ``past_key_values.N.key`` /
+    ``past_key_values.N.value`` [B, H_kv, P, D] in the KV dtype (float32 or float16).
+outputs
+    ``logits`` [B, S, V]; ``present.N.key`` / ``present.N.value`` [B, H_kv, P+S, D].
+
+:class:`OnnxDrafter` keeps the present tensors as numpy arrays (batch 1) between calls;
+rolling back to a confirmed prefix of ``n`` tokens is a slice ``[:, :, :n, :]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from edge_sdk.drafters.base import Drafter
+
+MANIFEST_NAME = "specrelay_onnx.json"
+MODEL_NAME = "model.onnx"
+
+#: Execution providers in order of preference when none is given explicitly.
+PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider",
+                       "CPUExecutionProvider")
+_PROVIDER_ALIASES = {
+    "tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExecutionProvider",
+    "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider",
+}
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
+              "tensor(double)": np.float64}
+
+
+def past_name(layer: int, kind: str) -> str:
+    """Graph input holding layer ``layer``'s cached keys/values (kind: key|value)."""
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    """Graph output holding layer ``layer``'s keys/values after the call."""
+    return f"present.{layer}.{kind}"
+
+
+def resolve_model_dir(path: str | os.PathLike) -> tuple[Path, Path]:
+    """``(folder, model file)`` for an export folder or a ``.onnx`` file path."""
+    p = Path(path)
+    if p.is_dir():
+        return p, p / MODEL_NAME
+    return p.parent, p
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The export manifest of a model folder (or of the folder holding a ``.onnx``).
+
+    Falls back to the geometry in an optimum-style ``config.json`` when there is no
+    ``specrelay_onnx.json``, and to ``{}`` (geometry read from the graph) when neither
+    exists. Raises FileNotFoundError when the model file is missing.
+    """
+    folder, model = resolve_model_dir(path)
+    if not model.exists():
+        raise FileNotFoundError(f"no ONNX model at {model}")
+    mf = folder / MANIFEST_NAME
+    if mf.exists():
+        return json.loads(mf.read_text())
+    cfg = folder / "config.json"
+    if cfg.exists():
+        c = json.loads(cfg.read_text())
+        heads = c.get("num_attention_heads")
+        return {
+            "num_layers": c["num_hidden_layers"],
+            "num_kv_heads": c.get("num_key_value_heads") or heads,
+            "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+            "vocab_size": c["vocab_size"],
+        }
+    return {}
+
+
+def profile_shapes(manifest: dict, *, max_batch: int = 1, max_seq: int = 512,
+                   max_past: int = 2048, opt_seq: int = 1, opt_past: int = 256,
+                   input_names: list[str] | None = None) -> dict[str, dict[str, list[int]]]:
+    """min/opt/max shape per graph input for one optimisation profile.
+
+    Args:
+        manifest: ONNX manifest (num_layers, num_kv_heads, head_dim).
+        max_batch: largest batch. max_seq: most new tokens per call (prefill length).
+        max_past: most cached tokens. opt_seq / opt_past: the shape TensorRT tunes for
+            (one-token decode over a ~256-token cache by default).
+    Returns:
+        ``{input name: {"min": [...], "opt": [...], "max": [...]}}``; past tensors are
+        [batch, H_kv, past, D] with past from 0 (empty cache) to ``max_past``.
+    """
+    n, h, d = manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"]
+    opt_past = min(opt_past, max_past)
+    opt_seq = min(opt_seq, max_seq)
+    tok = {"min": [1, 1], "opt": [1, opt_seq], "max": [max_batch, max_seq]}
+    shapes = {
+        "input_ids": tok,
+        "position_ids": tok,
+        "attention_mask": {"min": [1, 1], "opt": [1, opt_past + opt_seq],
+                           "max": [max_batch, max_past + max_seq]},
+    }
+    for i in range(n):
+        for kind in ("key", "value"):
+            shapes[f"past_key_values.{i}.{kind}"] = {
+                "min": [1, h, 0, d], "opt": [1, h, opt_past, d],
+                "max": [max_batch, h, max_past, d]}
+    if input_names is not None:
+        shapes = {k: v for k, v in shapes.items() if k in input_names}
+    return shapes
+
+
+def _trt_shape_option(shapes: dict, which: str) -> str:
+    return ",".join(f"{k}:{'x'.join(str(int(x)) for x in v[which])}"
+                    for k, v in shapes.items())
+
+
+def select_providers(providers: Sequence[Any] | str | None = None, *,
+                     fp16: bool = False, cache_dir: str | os.PathLike | None = None,
+                     manifest: dict | None = None) -> list:
+    """Execution providers for :class:`onnxruntime.InferenceSession`.
+
+    Args:
+        providers: None picks the best installed one (TensorRT EP > CUDA EP > CPU).
+            Otherwise a name or list of names (``"cpu"``, ``"cuda"``, ``"tensorrt"`` or
+            full EP names) or ``(name, options)`` pairs, used in that order.
+        fp16: enable TensorRT's fp16 kernels when the TensorRT EP is chosen.
+        cache_dir: where the TensorRT EP caches its engines (default: no cache).
+        manifest: the export manifest; with it the TensorRT EP gets one explicit
+            optimisation profile (:func:`profile_shapes`) so a growing past length does
+            not trigger an engine rebuild per step.
+    Returns:
+        list of provider names / ``(name, options)`` pairs, CPU always last as fallback.
+    Raises:
+        ValueError: an explicitly requested provider is not installed.
+    """
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if providers is None:
+        chosen = [p for p in PROVIDER_PREFERENCE if p in available]
+    else:
+        if isinstance(providers, str):
+            providers = [providers]
+        chosen = []
+        for p in providers:
+            name = p[0] if isinstance(p, tuple) else p
+            name = _PROVIDER_ALIASES.get(name.lower(), name)
+            if name not in available:
+                raise ValueError(f"execution provider {name} is not installed "
+                                 f"(available: {', '.join(available)})")
+            chosen.append((name, p[1]) if isinstance(p, tuple) else name)
+    out = []
+    for p in chosen:
+        if p == "TensorrtExecutionProvider":
+            opts = {"trt_fp16_enable": bool(fp16)}
+            if cache_dir is not None:
+                opts.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(cache_dir))
+            if manifest and "num_layers" in manifest:
+                shapes = profile_shapes(manifest)
+                for which in ("min", "opt", "max"):
+                    opts[f"trt_profile_{which}_shapes"] = _trt_shape_option(shapes, which)
+            p = (p, opts)
+        out.append(p)
+    if not any((p[0] if isinstance(p, tuple) else p) == "CPUExecutionProvider" for p in out):
+        out.append("CPUExecutionProvider")
+    return out
+
+
+def make_session_options(threads: int | None = None, *, spinning: bool = True):
+    """onnxruntime session options: ``threads`` fixed intra-op threads (None = ORT's
+    default, one per core), sequential execution, all graph optimisations; ``spinning``
+    False stops idle worker threads from busy-waiting (kinder to a shared CPU)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if threads:
+        so.intra_op_num_threads = int(threads)
+        so.inter_op_num_threads = 1
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3
+    return so
+
+
+class OnnxRunner:
+    """One sequence (batch 1) through an exported decoder, KV cache held as numpy.
+
+    Invariant: ``len(self.ids) == self.cache_len()``.
+
+    Args:
+        path: export folder (with ``model.onnx`` and ``specrelay_onnx.json``) or a
+            ``.onnx`` file.
+        providers: see :func:`select_providers` (None = best installed).
+        threads: fixed intra-op thread count (None = onnxruntime default).
+        session_options: a ready :class:`onnxruntime.SessionOptions` (overrides threads).
+    """
+
+    def __init__(self, path: str | os.PathLike, providers=None, threads: int | None = None,
+                 session_options=None):
+        import onnxruntime as ort
+
+        self.folder, self.model_path = resolve_model_dir(path)
+        self.manifest = read_manifest(path)
+        so = session_options or make_session_options(threads)
+        fp16 = self.manifest.get("dtype") == "float16"
+        self.providers = select_providers(providers, fp16=fp16,
+                                          cache_dir=self.folder / "trt_cache",
+                                          manifest=self.manifest)
+        self.session = ort.InferenceSession(str(self.model_path), so,
+                                            providers=self.providers)
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.input_names = set(inputs)
+        k0 = inputs.get(past_name(0, "key"))
+        if k0 is None:
+            raise ValueError(f"{self.model_path} has no {past_name(0, 'key')} input: "
+                             "export it with KV cache (specrelay export onnx)")
+        self.kv_dtype = _ORT_TYPES[k0.type]
+        n_graph = sum(1 for n in inputs if n.startswith("past_key_values.")) // 2
+        self.num_layers = int(self.manifest.get("num_layers") or n_graph)
+        logits_v = self.session.get_outputs()[0].shape[-1]
+        self.vocab_size = int(self.manifest.get("vocab_size") or logits_v)
+        self.num_kv_heads = int(self.manifest.get("num_kv_heads") or k0.shape[1])
+        self.head_dim = int(self.manifest.get("head_dim") or k0.shape[3])
+        self.output_names = ["logits"] + [present_name(i, k) for i in range(self.num_layers)
+                                          for k in ("key", "value")]
+        self.ids: list[int] = []
+        self.past: list[np.ndarray] = []
+        self.reset()
+
+    def cache_len(self) -> int:
+        """Tokens held in the KV cache."""
+        return int(self.past[0].shape[2])
+
+    def reset(self) -> None:
+        """Empty the cache (the next call runs with past length 0)."""
+        empty = np.zeros((1, self.num_kv_heads, 0, self.head_dim), dtype=self.kv_dtype)
+        self.past = [empty] * (2 * self.num_layers)
+        self.ids = []
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` cached tokens (0 <= n <= cached); slices every past
+        tensor to ``[:, :, :n, :]``. Raises ValueError otherwise."""
+        have = len(self.ids)
+        if not 0 <= n <= have:
+            raise ValueError(f"crop({n}) outside 0..{have}")
+        if n < have:
+            self.past = [p[:, :, :n, :] for p in self.past]
+            del self.ids[n:]
+        self.check()
+
+    def feeds(self, new_ids: Sequence[int]) -> dict[str, np.ndarray]:
+        """Graph inputs appending ``new_ids`` [k] to the cached sequence."""
+        p, k = self.cache_len(), len(new_ids)
+        feeds = {"input_ids": np.asarray([list(new_ids)], dtype=np.int64)}
+        if "attention_mask" in self.input_names:
+            feeds["attention_mask"] = np.ones((1, p + k), dtype=np.int64)
+        if "position_ids" in self.input_names:
+            feeds["position_ids"] = np.arange(p, p + k, dtype=np.int64)[None]
+        for i in range(self.num_layers):
+            feeds[past_name(i, "key")] = np.ascontiguousarray(self.past[2 * i])
+            feeds[past_name(i, "value")] = np.ascontiguousarray(self.past[2 * i + 1])
+        return feeds
+
+    def forward_np(self, new_ids: Sequence[int]) -> np.ndarray:
+        """Append ``new_ids`` [k]; return their logits as the graph's dtype, [k, V]."""
+        if not new_ids:
+            raise ValueError("forward() needs at least one token")
+        outs = self.session.run(self.output_names, self.feeds(new_ids))
+        self.past = outs[1:]
+        self.ids.extend(int(t) for t in new_ids)
+        self.check()
+        return outs[0][0]
+
+    def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
+        """Append ``new_ids`` [k]; return their logits, float32 [k, V] (an fp16 graph's
+        logits are widened exactly)."""
+        return torch.from_numpy(np.asarray(self.forward_np(new_ids), dtype=np.float32))
+
+    def sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Bring the cache to ``context[:-1]`` (rolling back whatever diverges, reusing
+        the common prefix) and return the logits after ``context[-1]``, float32 [V]."""
+        if not context:
+            raise ValueError("context must hold at least one token")
+        common = 0
+        for a, b in zip(self.ids, context):
+            if a != b:
+                break
+            common += 1
+        self.crop(min(common, len(context) - 1))
+        return self.forward(context[len(self.ids):])[-1]
+
+    def check(self) -> None:
+        """Assert the cache-length invariant on every past tensor (CASES.md 7)."""
+        n = len(self.ids)
+        for p in self.past:
+            if p.shape[2] != n:
+                raise AssertionError(f"ONNX KV cache holds {p.shape[2]} tokens, expected {n}")
+
+
+class OnnxDrafter(Drafter):
+    """An exported draft model run by onnxruntime, implementing :class:`Drafter`.
+
+    Args:
+        path: export folder written by ``specrelay export onnx`` (``model.onnx`` +
+            ``specrelay_onnx.json``; the vocabulary size comes from the manifest) or the
+            ``.onnx`` file inside it.
+        providers: None = best installed (TensorRT EP > CUDA EP > CPU), or explicit names
+            (``"cpu"``, ``"cuda"``, ``"tensorrt"``, full EP names, ``(name, options)``).
+        threads: fixed intra-op thread count (None = onnxruntime's default).
+        session_options: a ready :class:`onnxruntime.SessionOptions` (overrides threads).
+
+    ``sync``/``step`` return float32 logits [V]; ``propose`` (shared with every backend)
+    samples from them, so the q it reports is the softmax of exactly those logits.
+    """
+
+    def __init__(self, path: str | os.PathLike, providers=None, threads: int | None = None,
+                 session_options=None):
+        self.runner = OnnxRunner(path, providers, threads, session_options)
+        self.vocab_size = self.runner.vocab_size
+        self.manifest = self.runner.manifest
+
+    @property
+    def providers(self) -> list[str]:
+        """Execution providers the session actually uses, in priority order."""
+        return self.runner.session.get_providers()
+
+    def sync(self, context: Sequence[int]) -> torch.Tensor:
+        return self.runner.sync(context)
+
+    def step(self, token: int) -> torch.Tensor:
+        return self.runner.forward([token])[-1]
+
+    def cache_len(self) -> int:
+        return self.runner.cache_len()
+
+    def reset(self) -> None:
+        """Drop the whole KV cache."""
+        self.runner.reset()
