@@ -28,6 +28,7 @@ class Committer:
         self.stop = [s for s in stop if s]
         self.token_ids: list[int] = []
         self.text = ""
+        self._shown = ""       # prefix of ``text`` already returned by push()
         self.finish_reason: str | None = None
 
     @property
@@ -43,27 +44,44 @@ class Committer:
 
     def push(self, token: int) -> str:
         """Commit one token; returns the new text it adds ("" when none).
+
+        The returned pieces always concatenate to a prefix of the final ``text``: text
+        that may still turn into a stop string (or an incomplete UTF-8 sequence) is held
+        back until it is decided, and flushed when generation finishes.
         Raises RuntimeError if generation already finished."""
         if self.done:
             raise RuntimeError("commit after finish")
         self.token_ids.append(int(token))
         if int(token) in self.eos:
             self.finish_reason = "stop"
-            return ""
-        before = self.text
+            return self._emit()
         text = self._decode()
-        for s in self.stop:
-            i = text.find(s, max(0, len(before) - len(s)))
-            if i >= 0:
-                text = text[:i]
-                self.finish_reason = "stop"
-        if not self.done and len(self.token_ids) >= self.max_new_tokens:
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            text = text[:min(cuts)]
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
-        # an incomplete UTF-8 sequence decodes to U+FFFD: hold it back until complete
-        if not self.done and text.endswith("\ufffd"):
-            return ""
         self.text = text
-        return text[len(before):] if text.startswith(before) else text
+        return self._emit()
+
+    def _emit(self) -> str:
+        """The part of ``text`` that can be shown now and has not been shown yet."""
+        safe = self.text
+        if not self.done:
+            # an incomplete UTF-8 sequence decodes to U+FFFD: hold it back until complete
+            safe = safe.rstrip("\ufffd")
+            held = 0   # longest tail that is a proper prefix of a stop string
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(safe)), held, -1):
+                    if safe.endswith(s[:k]):
+                        held = k
+                        break
+            safe = safe[:len(safe) - held]
+        if not safe.startswith(self._shown):
+            return ""   # decoding rewrote text already shown (rare tokenizer cleanup)
+        delta, self._shown = safe[len(self._shown):], safe
+        return delta
 
     def push_many(self, tokens: Iterable[int]) -> tuple[list[int], str]:
         """Commit tokens in order until a stop; returns (committed ids, new text)."""

@@ -68,7 +68,7 @@ class SamplingConfig:
         d = dict(d or {})
         unknown = set(d) - {"temperature", "top_k", "top_p", "repetition_penalty"}
         if unknown:
-            raise ValueError(f"sampling.{sorted(unknown)[0]}: unknown field")
+            raise ValueError(f"sampling.{sorted(map(str, unknown))[0]}: unknown field")
         kw = {}
         for name, typ in (("temperature", float), ("top_k", int), ("top_p", float),
                           ("repetition_penalty", float)):
@@ -77,7 +77,10 @@ class SamplingConfig:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or (
                         typ is int and not isinstance(v, int)):
                     raise ValueError(f"sampling.{name}: expected {typ.__name__}")
-                kw[name] = typ(v)
+                try:
+                    kw[name] = typ(v)
+                except OverflowError:   # a JSON integer too large for a float
+                    raise ValueError(f"sampling.{name}: out of range") from None
         return cls(**kw)
 
 

@@ -266,7 +266,7 @@ def decode_session_request(m: dict, vocab_size: int, max_context: int) -> dict:
         raise WireError("body", "expected an object")
     unknown = set(m) - SESSION_FIELDS
     if unknown:
-        raise WireError(sorted(unknown)[0], "unknown field")
+        raise WireError(sorted(map(str, unknown))[0], "unknown field")  # keys may be bytes
     out = {"chat": bool(m.get("chat", False))}
     if ("prompt" in m) == ("prompt_ids" in m):
         raise WireError("prompt", "give exactly one of prompt (text) or prompt_ids")
@@ -287,9 +287,9 @@ def decode_session_request(m: dict, vocab_size: int, max_context: int) -> dict:
         raise WireError(str(e).split(":")[0] if ":" in str(e) else "sampling", str(e)) from None
     out["seed"] = _int(m.get("seed", 0), "seed")
     out["max_new_tokens"] = _int(m.get("max_new_tokens", 256), "max_new_tokens", 1, max_context)
-    if "vocab_size" in m and _int(m["vocab_size"], "vocab_size") != vocab_size:
-        raise WireError("vocab_size", f"draft vocabulary {m['vocab_size']} does not match "
-                        f"the target's {vocab_size}: draft and target must share a tokenizer")
+    # a mismatch with the target's vocabulary is the caller's check (422, like the
+    # tokenizer hash): here only the type
+    out["vocab_size"] = _int(m["vocab_size"], "vocab_size") if "vocab_size" in m else None
     out["tokenizer_hash"] = m.get("tokenizer_hash")
     if out["tokenizer_hash"] is not None and not isinstance(out["tokenizer_hash"], str):
         raise WireError("tokenizer_hash", "expected a string")
