@@ -36,7 +36,11 @@ def _load(model: str, threads: int | None):
 
     spec = resolve(model)
     folder = Path(spec.path)
-    tok_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    # load_model handles presets, GGUF, distilled drafts (specrelay_draft.json, rebuilt
+    # from their target) and folders with a tokenizer; a bare save_pretrained folder
+    # (no tokenizer) loads here without one.
+    tok_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                 "specrelay_draft.json")
     if spec.gguf_file or not folder.is_dir() or any((folder / f).exists() for f in tok_files):
         return load_model(model, threads=threads)
     from transformers import AutoModelForCausalLM

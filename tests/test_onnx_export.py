@@ -202,6 +202,45 @@ def test_reduced_precision_q_is_softmax_of_its_own_logits(exported, variant):
         ctx = ctx + block.tokens[:2] + [(block.tokens[2] + 1) % VOCAB]
 
 
+class _MaskedHead(torch.nn.Module):
+    """Like a distilled draft's reduced head: logits over the full vocabulary, -inf
+    outside the kept ids."""
+
+    def __init__(self, weight, kept):
+        super().__init__()
+        self.vocab_size = int(weight.shape[0])
+        self.register_buffer("kept_ids", kept)
+        self.register_buffer("sub_weight", weight.detach()[kept].clone())
+
+    def forward(self, h):
+        sub = torch.nn.functional.linear(h, self.sub_weight)
+        out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy(-1, self.kept_ids, sub)
+
+
+def test_reduced_head_with_inf_logits_exports_and_drafts(tmp_path):
+    """-inf logits (a reduced draft head) survive export, parity and sampling."""
+    import copy
+
+    from exporters.onnx import export_graph, kv_geometry, write_manifest
+
+    m = copy.deepcopy(tiny_llama(seed=2))
+    kept = torch.arange(0, VOCAB, 3)
+    m.lm_head = _MaskedHead(m.lm_head.weight, kept)
+    export_graph(m, tmp_path / "model.onnx")
+    write_manifest(tmp_path, kv_geometry(m.config))
+    par = check_parity(tmp_path, m, steps=16, threads=1)
+    assert par["passed"], par
+    td, od = TorchDrafter(m), OnnxDrafter(tmp_path, threads=1)
+    cfg = SamplingConfig(temperature=1.0)
+    for seed in range(3):
+        bt = td.propose([1, 2, 3], 4, cfg, torch.Generator().manual_seed(seed))
+        bo = od.propose([1, 2, 3], 4, cfg, torch.Generator().manual_seed(seed))
+        assert bt.tokens == bo.tokens and all(t % 3 == 0 for t in bo.tokens)
+        assert torch.equal(bo.q[:, 1::3], torch.zeros_like(bo.q[:, 1::3]))
+        assert torch.allclose(bt.q, bo.q, atol=1e-5, rtol=0)
+
+
 def test_runner_empty_past_and_crop_invariant(exported):
     r = OnnxRunner(exported, providers="cpu", threads=1)
     assert r.cache_len() == 0
@@ -278,7 +317,8 @@ def test_real_draft_export_parity(tmp_path):
     from exporters.onnx import PARITY_TEXTS, export_onnx
 
     asset = Path(__file__).resolve().parents[1] / "edge_sdk/assets/drafts/smollm2-135m-draft"
-    spec = str(asset) if (asset / "config.json").exists() else "smollm2-135m@4"
+    spec = str(asset) if any((asset / f).exists() for f in (
+        "specrelay_draft.json", "config.json")) else "smollm2-135m@4"
     threads = torch.get_num_threads()
     try:
         m, tok = load_model(spec, threads=2)
