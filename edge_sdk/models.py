@@ -59,6 +59,9 @@ PRESETS = {
     "smollm2-135m": lambda: _smollm2(),
     # Untrained draft: the target's first 4 layers + its head (agrees ~5-8 % greedy).
     "smollm2-135m-trunc4": lambda: ModelSpec(_smollm2().path, SMOLLM2_GGUF, truncate_layers=4),
+    # Trained draft (exporters/distill.py): stored layers + the target's shared parts.
+    "smollm2-135m-draft": lambda: ModelSpec(
+        str(Path(__file__).parent / "assets" / "drafts" / "smollm2-135m-draft")),
 }
 
 
@@ -156,6 +159,10 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
         ModuleNotFoundError / OSError: the model files are not available offline.
     """
     spec = resolve(spec) if isinstance(spec, str) else spec
+    if not spec.gguf_file and (Path(spec.path) / "specrelay_draft.json").is_file():
+        from exporters.distill import load_draft  # a distilled draft: rebuilt from its target
+
+        return load_draft(spec.path, dtype=dtype, threads=threads)
     if threads:
         torch.set_num_threads(threads)
     model = _load_full(spec)

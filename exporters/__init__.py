@@ -1,0 +1,1 @@
+"""Draft-model tooling: distillation (distill.py), ONNX / TensorRT export."""
