@@ -160,6 +160,10 @@ def test_greedy_drafts_identical_to_torch_across_rollbacks(model, exported):
     # a fresh, unrelated context rolls back to nothing
     bt, bo = td.propose([40, 41], 3, cfg), od.propose([40, 41], 3, cfg)
     assert bt.tokens == bo.tokens and od.cache_len() == 4
+    # a fork shares the session, not the cache
+    f = od.fork()
+    assert f.runner.session is od.runner.session and f.cache_len() == 0
+    assert f.propose([40, 41], 3, cfg).tokens == bo.tokens and od.cache_len() == 4
 
 
 def test_sampled_drafts_match_torch_with_same_seed(model, exported):

@@ -15,6 +15,7 @@ rolling back to a confirmed prefix of ``n`` tokens is a slice ``[:, :, :n, :]``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -346,3 +347,11 @@ class OnnxDrafter(Drafter):
     def reset(self) -> None:
         """Drop the whole KV cache."""
         self.runner.reset()
+
+    def fork(self) -> "OnnxDrafter":
+        """Another drafter on the same onnxruntime session (weights loaded once;
+        ``InferenceSession.run`` is thread-safe) with its own, empty KV cache."""
+        clone = copy.copy(self)
+        clone.runner = copy.copy(self.runner)
+        clone.runner.reset()
+        return clone
