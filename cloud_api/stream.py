@@ -1,0 +1,186 @@
+"""Streaming target-only generation: ``POST /v1/sessions/{id}/generate``.
+
+The *cloud-AR* baseline of the benchmark (and a plain "cloud LLM" API): the cloud
+generates autoregressively with the target alone, one target forward pass per token,
+and streams every token to the client as soon as it is sampled.
+
+Flow: create a session as usual (``POST /v1/sessions`` with ``prompt_ids`` or
+``prompt``, ``sampling``, ``seed``, ``max_new_tokens``), then ``POST
+/v1/sessions/{id}/generate``. The request body is optional: an empty body, or a msgpack
+(``application/x-msgpack``) / JSON (``application/json``) map with
+
+* ``max_new_tokens`` (int >= 1, tokens): at most this many tokens (default: the
+  session's ``max_new_tokens``, which is also the upper bound).
+
+The response is streamed with chunked transfer encoding. Its items depend on the
+``Accept`` header:
+
+* default — ``application/x-msgpack-seq``: a sequence of concatenated msgpack arrays
+  (read them with ``msgpack.Unpacker``);
+* ``application/x-ndjson`` — one JSON array per line.
+
+Items::
+
+    [MSG_TOKEN=5, token_id, target_s]
+        one generated token; target_s = seconds of target compute spent on it
+    [MSG_DONE=6, finish_reason, n_tokens, target_s_total, target_passes]
+        end of stream; finish_reason is "eos", "length", "context_full" or
+        "rate_limited"; target_s_total in seconds
+
+Generation uses the session's sampling config (the same processors as verification,
+from ``edge_sdk.protocol.sampling``): greedy sessions produce exactly the tokens of
+target-only speculative rounds (blocks of depth 0). Sampled tokens come from a
+generator seeded by the session seed and the confirmed length, so a run is replayable.
+The session stays consistent (confirmed prefix extended, KV invariant kept), so blocks
+can be verified after a stream. A session waiting for a correction token is refused
+(409). Every generated token is charged to the caller's verified-token rate limit.
+
+Only :func:`register` is public; ``cloud_api.app.create_app`` calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import msgpack
+import torch
+from aiohttp import web
+
+from cloud_api.sessions import ApiError, Session
+from edge_sdk.protocol import sampling as S
+from edge_sdk.protocol import wire
+
+__all__ = ["register", "MSG_TOKEN", "MSG_DONE", "STREAM_MSGPACK", "STREAM_NDJSON"]
+
+MSG_TOKEN, MSG_DONE = 5, 6
+STREAM_MSGPACK = "application/x-msgpack-seq"
+STREAM_NDJSON = "application/x-ndjson"
+
+
+def _generator(s: Session) -> torch.Generator:
+    """Seeded by (session seed, confirmed length): replaying a stream redraws the same."""
+    return torch.Generator().manual_seed(
+        (s.seed * 1_000_003 + 0x5EED0000 + len(s.tokens)) % (2**63))
+
+
+def _step(verifier, s: Session, gen: torch.Generator) -> tuple[int, float]:
+    """One target pass: the next token after the confirmed sequence (runs on the
+    target executor). Extends the session; returns (token id, seconds)."""
+    t0 = time.perf_counter()
+    logits = s.kv.sync(s.tokens)[-1:]                               # [1, V]
+    seen = None
+    if s.cfg.repetition_penalty != 1.0:
+        seen = S.presence_mask(torch.tensor(s.tokens), torch.zeros(0, dtype=torch.long),
+                               verifier.vocab_size)
+    x = S.process_logits(logits, s.cfg, seen)[0]
+    if s.cfg.greedy:
+        tok = int(S.greedy_token(x))
+    else:
+        tok = int(S.sample(torch.softmax(x, dim=-1), gen))
+    # the cache now holds the old confirmed sequence = new sequence minus its last token
+    s.tokens.append(tok)
+    s.check_kv()
+    dt = time.perf_counter() - t0
+    verifier.passes += 1
+    verifier.target_seconds += dt
+    return tok, dt
+
+
+async def _read_options(request: web.Request) -> dict:
+    body = await request.read()
+    if not body:
+        return {}
+    if request.content_type == "application/json":
+        try:
+            m = json.loads(body)
+        except ValueError:
+            raise ApiError(400, "bad_request", "body is not valid JSON", "body") from None
+    else:
+        m = wire.unpack(body)
+    if not isinstance(m, dict):
+        raise ApiError(400, "bad_request", "body must be a map", "body")
+    unknown = set(m) - {"max_new_tokens"}
+    if unknown:
+        raise ApiError(422, "bad_field", "unknown field", sorted(unknown)[0])
+    return m
+
+
+def _limit(s: Session, opts: dict) -> int:
+    n = opts.get("max_new_tokens", s.max_new_tokens)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ApiError(422, "bad_field", "max_new_tokens must be an integer >= 1",
+                       "max_new_tokens")
+    return min(n, s.max_new_tokens) if s.max_new_tokens else n
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/sessions/{sid}/generate``: stream target-only tokens (module doc)."""
+    from cloud_api.app import SERVICE, _owner  # late: app imports this module
+
+    svc = request.app[SERVICE]
+    s: Session = svc.sessions.get(request.match_info["sid"], _owner(request))
+    opts = await _read_options(request)
+    limit = _limit(s, opts)
+    ndjson = STREAM_NDJSON in request.headers.get("Accept", "")
+    limiter, key = request.get("ratelimiter"), request.get("api_key")
+
+    def charge() -> bool:
+        if limiter is None or key is None:
+            return True
+        try:
+            limiter.consume_tokens(key, 1)
+            return True
+        except Exception:  # noqa: BLE001 - RateLimitExceeded / QuotaExceeded end the stream
+            return False
+
+    lock = svc.lock(s.id)
+    async with lock:
+        if s.awaiting:
+            raise ApiError(409, "correction_pending", "the session is waiting for the "
+                           "correction token of its last block", "session_id",
+                           state=s.state())
+        if limiter is not None and key is not None:
+            limiter.consume_tokens(key, 1)   # before prepare: a refusal is a 429 JSON
+        resp = web.StreamResponse(headers={"Content-Type": STREAM_NDJSON if ndjson
+                                           else STREAM_MSGPACK,
+                                           "Cache-Control": "no-store"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+
+        def enc(item: list) -> bytes:
+            return (json.dumps(item) + "\n").encode() if ndjson else msgpack.packb(item)
+
+        loop = asyncio.get_running_loop()
+        gen = _generator(s)
+        eos = set(svc.eos)
+        n, total_s, reason = 0, 0.0, "length"
+        # a client that goes away makes resp.write raise (ConnectionResetError): the
+        # loop stops there and the session stays consistent
+        while n < limit:
+            if len(s.tokens) + 1 > svc.verifier.max_context:
+                reason = "context_full"
+                break
+            if n and not charge():
+                reason = "rate_limited"
+                break
+            tok, dt = await loop.run_in_executor(svc.executor, _step, svc.verifier, s, gen)
+            n += 1
+            total_s += dt
+            await resp.write(enc([MSG_TOKEN, tok, dt]))
+            if tok in eos:
+                reason = "eos"
+                break
+        enforce = getattr(svc.sessions, "enforce", None)   # KV budgets, where the store
+        if enforce is not None:                             # has them: the cache grew
+            enforce(keep=s.id)
+        await resp.write(enc([MSG_DONE, reason, n, total_s, n]))
+        await resp.write_eof()
+        return resp
+
+
+def register(app: web.Application) -> None:
+    """Add ``POST /v1/sessions/{sid}/generate`` to a verification app (the app must
+    hold a :class:`cloud_api.app.CloudService` under ``SERVICE``)."""
+    app.router.add_post("/v1/sessions/{sid}/generate", generate)

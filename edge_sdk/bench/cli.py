@@ -1,0 +1,165 @@
+"""``specrelay bench``: the edge-cloud benchmark from the command line.
+
+Mounted by ``specrelay_cli`` (``from edge_sdk.bench.cli import bench``). Heavy imports
+happen inside the command so ``specrelay --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+_DEFAULTS = dict(modes="cloud-ar,standard-sd,specrelay",
+                 profiles="strong,medium,weak,cellular-edge", workloads="mtbench,humaneval",
+                 sampling="greedy,sample", prompts=5, max_new_tokens=64)
+
+
+def _csv(value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _cpus(value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    out = []
+    for part in value.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out += list(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+@click.command()
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out",
+              show_default=True, help="Output folder: results.json, summary.md, *.png, "
+              "requests.jsonl.")
+@click.option("--quick", is_flag=True, help="A few-minute run: modes cloud-ar, standard-sd, "
+              "specrelay; profiles weak, cellular-edge, strong; 1 greedy prompt per workload; "
+              "24 new tokens. Explicit options override these.")
+@click.option("--modes", default=None, help="Comma list of modes "
+              f"[default: {_DEFAULTS['modes']}]. See --list-modes.")
+@click.option("--profiles", default=None,
+              help=f"Comma list of network profiles [default: {_DEFAULTS['profiles']}].")
+@click.option("--workloads", default=None,
+              help=f"Comma list: mtbench, humaneval [default: {_DEFAULTS['workloads']}].")
+@click.option("--sampling", default=None, help="Comma list of sampling variants: greedy, "
+              f"sample (temperature 0.7, top-p 0.9) [default: {_DEFAULTS['sampling']}].")
+@click.option("--prompts", type=click.IntRange(1), default=None,
+              help=f"Prompts per workload [default: {_DEFAULTS['prompts']}].")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=None,
+              help=f"Tokens generated per request [default: {_DEFAULTS['max_new_tokens']}].")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Prompt selection and per-request sampling seeds.")
+@click.option("--depth", type=click.IntRange(1, 8), default=4, show_default=True,
+              help="Draft depth gamma for fixed-depth modes (tokens per block).")
+@click.option("--target", default="smollm2-135m", show_default=True, help="Target model.")
+@click.option("--draft", default=None,
+              help="Draft model (default: the trained draft if present, else smollm2-135m@4).")
+@click.option("--edge-slowdown", type=click.FloatRange(1.0), default=1.0, show_default=True,
+              help="Edge contention: each draft forward takes FACTOR times as long ...")
+@click.option("--slowdown-at", type=click.FloatRange(0.0), default=0.0, show_default=True,
+              help="... from this many seconds after the start of each run.")
+@click.option("--edge-load", type=click.IntRange(0), default=0, show_default=True,
+              help="Busy-loop processes pinned to the edge CPUs from --slowdown-at on.")
+@click.option("--cloud-cpus", default=None, help="CPU ids for the cloud process, e.g. '0' "
+              "(default: the first available CPU).")
+@click.option("--edge-cpus", default=None, help="CPU ids for the edge, e.g. '1' or '1-3' "
+              "(default: the other CPUs).")
+@click.option("--cloud-threads", type=click.IntRange(1), default=None,
+              help="torch threads of the target (default: number of cloud CPUs).")
+@click.option("--edge-threads", type=click.IntRange(1), default=None,
+              help="torch threads of the draft (default: number of edge CPUs).")
+@click.option("--insecure-no-auth", is_flag=True,
+              help="Serve without request signing (default: an ephemeral signed key).")
+@click.option("--no-warmup", is_flag=True, help="Skip the unmeasured warm-up requests.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
+def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new_tokens, seed,
+          depth, target, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus, edge_cpus,
+          cloud_threads, edge_threads, insecure_no_auth, no_warmup, no_progress, list_modes):
+    """Benchmark modes x network profiles x workloads through the link emulator.
+
+    The cloud (target) runs in its own process pinned to one core, the edge (draft +
+    client) in this process on the other, and every HTTP byte crosses an emulated link.
+    Writes OUT/results.json, OUT/summary.md (ratios against the baselines measured in the
+    same run) and PNG plots.
+    """
+    from edge_sdk.bench import modes as M
+
+    if list_modes:
+        for name, cls in M.MODES.items():
+            click.echo(f"{name:14s} {'(baseline) ' if cls.baseline else ''}{cls.description}")
+        return
+    from edge_sdk.bench.runner import QUICK, BenchConfig, run_bench
+
+    preset = dict(_DEFAULTS)
+    if quick:
+        preset.update({k: (",".join(v) if isinstance(v, list) else v) for k, v in QUICK.items()})
+    opts = dict(modes=modes, profiles=profiles, workloads=workloads, sampling=sampling,
+                prompts=prompts, max_new_tokens=max_new_tokens)
+    opts = {k: (preset[k] if v is None else v) for k, v in opts.items()}
+    try:
+        cfg = BenchConfig(modes=_csv(opts["modes"]), profiles=_csv(opts["profiles"]),
+                          workloads=_csv(opts["workloads"]), sampling=_csv(opts["sampling"]),
+                          prompts=opts["prompts"], seed=seed,
+                          max_new_tokens=opts["max_new_tokens"], depth=depth, target=target,
+                          draft=draft, cloud_cpus=_cpus(cloud_cpus),
+                          edge_cpus=_cpus(edge_cpus), cloud_threads=cloud_threads,
+                          edge_threads=edge_threads, auth=not insecure_no_auth,
+                          edge_slowdown=edge_slowdown, slowdown_at_s=slowdown_at,
+                          edge_load=edge_load, warmup=not no_warmup)
+        for m in cfg.modes:
+            M.get_mode(m)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    t0 = time.perf_counter()
+    try:
+        results = run_bench(cfg, out_dir, progress=not no_progress,
+                            log=lambda s: click.echo(s, err=True))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    elapsed = time.perf_counter() - t0
+    _print_summary(results, out_dir, elapsed)
+
+
+def _print_summary(results: dict, out_dir: str, elapsed: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if not con.is_terminal:          # piped/logged: do not squeeze the tables to 80 columns
+        con = Console(width=160)
+    t = Table(title="specrelay bench")
+    for col in ("mode", "profile", "workload", "tok/s", "TTFT ms", "accept", "tok/round",
+                "up B/tok", "down B/tok"):
+        t.add_column(col, justify="left" if col in ("mode", "profile", "workload") else "right")
+
+    def f(v, scale=1.0, fmt="{:.2f}"):
+        return "–" if v is None else fmt.format(v * scale)
+
+    for r in results["runs"]:
+        m = r["metrics"]
+        t.add_row(r["mode"], r["profile"], r["workload"], f(m["throughput_tok_s"]),
+                  f(m["ttft_s"], 1e3, "{:.0f}"), f(m["acceptance_rate"], 1, "{:.3f}"),
+                  f(m["mean_accepted_length"]), f(m["uplink_bytes_per_token"], 1, "{:.1f}"),
+                  f(m["downlink_bytes_per_token"], 1, "{:.1f}"))
+    con.print(t)
+    if results["ratios"]:
+        rt = Table(title="ratios (> 1: mode is better)")
+        for col in ("metric", "profile", "mode", "baseline", "value"):
+            rt.add_column(col, justify="right" if col == "value" else "left")
+        for r in results["ratios"]:
+            rt.add_row(r["metric"], r["profile"], r["mode"], r["baseline"],
+                       f"{r['value']:,.2f}x")
+        con.print(rt)
+    ident = results["config"].get("greedy_outputs_identical")
+    if ident is not None:
+        con.print(f"greedy outputs identical across modes: {ident}")
+    con.print(f"wrote {out_dir}/results.json, summary.md, throughput.png, "
+              f"latency_breakdown.png, acceptance_hist.png, requests.jsonl "
+              f"in {elapsed:.1f} s")

@@ -1,0 +1,439 @@
+"""Benchmark modes: how the edge produces a completion, behind one pluggable registry.
+
+A mode turns one prompt into a completion through the real HTTP API (the link emulator
+sits in between) and returns a :class:`RequestRecord` whose ``metrics`` is the
+per-request dict that :func:`edge_sdk.bench.report.aggregate` consumes.
+
+Built-in modes:
+
+* ``cloud-ar`` (baseline) — the cloud generates with the target alone and streams the
+  tokens (``POST /v1/sessions/{id}/generate``, see ``cloud_api/stream.py``); the edge
+  only reads. One target pass per token.
+* ``standard-sd`` (baseline) — standard edge-cloud speculative decoding:
+  :class:`edge_sdk.EdgeClient` ``mode="standard"`` uploads the full draft distribution
+  ``q`` (float64, ``V`` values per draft position) and the cloud draws corrections.
+* ``specrelay`` — the compact AsymSpec protocol (``mode="asym"``): ``(token, q(token))``
+  per position on the uplink, staged correction on the edge; fixed depth ``--depth``.
+
+Adding a mode (CAAC, IPDG, a multi-request pipeline, ...)::
+
+    @register_mode
+    class MyMode(BenchMode):
+        name = "my-mode"
+        description = "..."
+        async def run_request(self, req: BenchRequest) -> RequestRecord: ...
+
+:meth:`BenchMode.run` (sequential by default) may be overridden to run many requests
+concurrently; such a mode should put ``start_s``/``end_s`` in each request's metrics so
+throughput is computed over the makespan.
+
+Latency breakdown (``metrics["breakdown_s"]``, seconds summed over the request, see
+:func:`breakdown`): ``draft`` = edge draft compute (slowdown included), ``verify`` =
+target compute reported by the cloud, ``upload``/``download`` = the link model's time
+for the bytes that crossed the emulator (serialisation ``bytes*8/bandwidth`` plus the
+one-way delay ``rtt/2`` per HTTP exchange), ``wait`` = the rest of the wall time
+(queueing, jitter and loss stalls, prompt prefill, HTTP/msgpack/signing overhead,
+edge-side bookkeeping). The five phases sum to ``wall_s`` (unless the modelled link
+time alone exceeds it; ``wait`` is never negative).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Sequence
+
+import aiohttp
+import msgpack
+
+from edge_sdk.bench.linkem import Profile
+from edge_sdk.protocol import wire
+from edge_sdk.protocol.sampling import SamplingConfig
+from edge_sdk.transport import MSGPACK, RemoteError, Transport
+
+__all__ = [
+    "EdgeContext", "BenchRequest", "RequestRecord", "BenchMode", "RecordingTransport",
+    "MODES", "register_mode", "get_mode", "mode_names", "breakdown",
+    "CloudARMode", "StandardSDMode", "SpecRelayMode", "CloudStreamClient",
+]
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+@dataclass
+class HttpCall:
+    """One HTTP exchange seen by :class:`RecordingTransport` (bytes = message bodies)."""
+
+    method: str
+    path: str
+    up_bytes: int
+    down_bytes: int
+    t0: float
+    t1: float
+
+
+class RecordingTransport(Transport):
+    """:class:`edge_sdk.transport.Transport` that logs every exchange in :attr:`calls`
+    (body sizes in bytes, ``time.perf_counter`` seconds)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.calls: list[HttpCall] = []
+
+    async def request(self, method: str, path: str, body: bytes = b"",
+                      content_type: str = MSGPACK) -> tuple[bytes, str]:
+        t0 = time.perf_counter()
+        data, ct = await super().request(method, path, body, content_type)
+        self.calls.append(HttpCall(method, path, len(body), len(data), t0,
+                                   time.perf_counter()))
+        return data, ct
+
+
+@dataclass
+class EdgeContext:
+    """Everything a mode needs on the edge for one run (mode × profile × workload).
+
+    Attributes:
+        base_url: the API as the edge sees it (the link emulator's address).
+        tokenizer: shared by draft and target.
+        drafter: the edge draft model (possibly wrapped to emulate contention) or None.
+        signer: request signer (``edge_sdk.protocol.signing.Signer``) or None.
+        profile: the emulated network profile (for the latency breakdown).
+        sampling: sampling config of every request in the run.
+        max_new_tokens: generation cap per request (tokens).
+        depth: draft depth gamma (tokens per block) for fixed-depth modes.
+        link_bytes: returns ``(uplink_bytes, downlink_bytes)`` delivered by the link
+            emulator so far (all HTTP bytes, headers included); None if unknown.
+        options: free-form per-mode options (later modes: CAAC gains, ...).
+    """
+
+    base_url: str
+    tokenizer: object
+    drafter: object | None
+    signer: object | None
+    profile: Profile
+    sampling: SamplingConfig
+    max_new_tokens: int
+    depth: int = 4
+    link_bytes: Callable[[], tuple[int, int]] | None = None
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One prompt to complete: ``prompt_ids`` already encoded (chat template applied for
+    chat workloads); ``seed`` seeds every random draw of the request (edge and cloud)."""
+
+    prompt_id: str
+    workload: str
+    prompt_ids: tuple[int, ...]
+    seed: int
+
+
+@dataclass
+class RequestRecord:
+    """Result of one request: ``metrics`` (per-request dict for ``report.aggregate``),
+    the generated ``token_ids``, ``text`` and ``finish_reason``."""
+
+    request: BenchRequest
+    metrics: dict
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def breakdown(wall_s: float, draft_s: float, verify_s: float, exchanges: int,
+              link_up_bytes: int, link_down_bytes: int, profile: Profile) -> dict:
+    """Split a request's wall time (s) into the five phases of ``report.BREAKDOWN_PHASES``.
+
+    ``upload = exchanges * rtt/2 + link_up_bytes*8/uplink_bps`` and likewise
+    ``download`` (the link emulator's model for the bytes it carried); ``wait`` is what
+    remains of ``wall_s`` after draft, verify, upload and download (>= 0). Seconds.
+    """
+    one_way = profile.rtt_s / 2.0
+    up = exchanges * one_way + (link_up_bytes * 8.0 / profile.uplink_bps
+                                if profile.uplink_bps else 0.0)
+    down = exchanges * one_way + (link_down_bytes * 8.0 / profile.downlink_bps
+                                  if profile.downlink_bps else 0.0)
+    wait = max(0.0, wall_s - draft_s - verify_s - up - down)
+    return {"draft": draft_s, "upload": up, "wait": wait, "verify": verify_s,
+            "download": down}
+
+
+class _LinkMeter:
+    """Link-emulator byte counters around one request."""
+
+    def __init__(self, ctx: EdgeContext):
+        self.f = ctx.link_bytes
+        self.start = self.f() if self.f else (0, 0)
+
+    def delta(self, fallback_up: int, fallback_down: int) -> tuple[int, int]:
+        if not self.f:
+            return fallback_up, fallback_down
+        up, down = self.f()
+        return up - self.start[0], down - self.start[1]
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class BenchMode(ABC):
+    """A way of generating a completion. Subclasses set the class attributes and
+    implement :meth:`run_request`; :meth:`open`/:meth:`close` bracket a run.
+
+    Class attributes: ``name`` (CLI/results label), ``description``, ``needs_drafter``
+    (the edge runs a draft model), ``baseline`` (other modes are compared against it).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    needs_drafter: ClassVar[bool] = True
+    baseline: ClassVar[bool] = False
+
+    def __init__(self, ctx: EdgeContext):
+        self.ctx = ctx
+
+    async def open(self) -> None:
+        """Acquire per-run resources (HTTP sessions, clients)."""
+
+    async def close(self) -> None:
+        """Release what :meth:`open` acquired."""
+
+    @abstractmethod
+    async def run_request(self, req: BenchRequest) -> RequestRecord:
+        """Generate one completion; raise on any protocol failure."""
+
+    async def run(self, reqs: Sequence[BenchRequest],
+                  on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+        """Run every request (sequentially by default); ``on_done`` after each."""
+        out = []
+        for r in reqs:
+            rec = await self.run_request(r)
+            out.append(rec)
+            if on_done:
+                on_done(rec)
+        return out
+
+
+MODES: dict[str, type[BenchMode]] = {}
+"""Mode name → class. Fill with :func:`register_mode`."""
+
+
+def register_mode(cls: type[BenchMode]) -> type[BenchMode]:
+    """Class decorator adding a :class:`BenchMode` subclass to :data:`MODES` by its
+    ``name``. Raises ValueError for an empty or already registered name."""
+    if not cls.name:
+        raise ValueError("a bench mode needs a name")
+    if cls.name in MODES and MODES[cls.name] is not cls:
+        raise ValueError(f"bench mode {cls.name!r} is already registered")
+    MODES[cls.name] = cls
+    return cls
+
+
+def get_mode(name: str) -> type[BenchMode]:
+    """The mode class for ``name``. Raises ValueError listing the known modes."""
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown bench mode {name!r}; choose from {mode_names()}") from None
+
+
+def mode_names() -> list[str]:
+    """Registered mode names, in registration order."""
+    return list(MODES)
+
+
+# --------------------------------------------------------------------------- speculative
+
+
+class _SpeculativeMode(BenchMode):
+    """EdgeClient rounds at a fixed depth; ``client_mode`` picks the protocol."""
+
+    client_mode: ClassVar[str] = "asym"
+
+    async def open(self) -> None:
+        from edge_sdk.client import EdgeClient
+
+        c = self.ctx
+        self.transport = RecordingTransport(c.base_url, signer=c.signer)
+        self.client = EdgeClient(c.base_url, c.drafter, c.tokenizer, depth=c.depth,
+                                 mode=self.client_mode, signer=c.signer, chat=False,
+                                 transport=self.transport,
+                                 **c.options.get("client", {}))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def run_request(self, req: BenchRequest) -> RequestRecord:
+        c = self.ctx
+        self.transport.calls.clear()
+        meter = _LinkMeter(c)
+        res = await self.client.generate(prompt_ids=list(req.prompt_ids),
+                                         sampling=c.sampling,
+                                         max_new_tokens=c.max_new_tokens, seed=req.seed)
+        m = dict(res.metrics)
+        calls = self.transport.calls
+        up, down = meter.delta(m["uplink_bytes"], m["downlink_bytes"])
+        m.update(link_uplink_bytes=up, link_downlink_bytes=down, http_exchanges=len(calls),
+                 prompt_tokens=len(req.prompt_ids),
+                 breakdown_s=breakdown(m["wall_s"], m["draft_seconds"], m["target_seconds"],
+                                       len(calls), up, down, c.profile))
+        return RequestRecord(req, m, list(res.token_ids), res.text, res.finish_reason)
+
+
+@register_mode
+class CloudARMode(BenchMode):
+    """Target-only autoregressive generation in the cloud, tokens streamed down."""
+
+    name = "cloud-ar"
+    description = "cloud target alone, streamed tokens (one target pass per token)"
+    needs_drafter = False
+    baseline = True
+
+    async def open(self) -> None:
+        c = self.ctx
+        self.client = CloudStreamClient(c.base_url, c.tokenizer, signer=c.signer)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def run_request(self, req: BenchRequest) -> RequestRecord:
+        c = self.ctx
+        meter = _LinkMeter(c)
+        res = await self.client.generate(list(req.prompt_ids), c.sampling,
+                                         c.max_new_tokens, req.seed)
+        m = res["metrics"]
+        up, down = meter.delta(m["uplink_bytes"], m["downlink_bytes"])
+        m.update(link_uplink_bytes=up, link_downlink_bytes=down,
+                 prompt_tokens=len(req.prompt_ids),
+                 breakdown_s=breakdown(m["wall_s"], 0.0, m["target_seconds"],
+                                       m["http_exchanges"], up, down, c.profile))
+        return RequestRecord(req, m, res["token_ids"], res["text"], res["finish_reason"])
+
+
+@register_mode
+class StandardSDMode(_SpeculativeMode):
+    """Baseline edge-cloud SD: full q uploaded per draft position."""
+
+    name = "standard-sd"
+    description = "standard edge-cloud SD: full draft distribution on the uplink"
+    baseline = True
+    client_mode = "standard"
+
+
+@register_mode
+class SpecRelayMode(_SpeculativeMode):
+    """The compact asymmetric protocol at a fixed depth."""
+
+    name = "specrelay"
+    description = "AsymSpec compact protocol, fixed depth"
+    client_mode = "asym"
+
+
+# --------------------------------------------------------------------------- cloud-ar client
+
+
+class CloudStreamClient:
+    """Client of the streaming target-only route (``cloud_api/stream.py``).
+
+    Args:
+        base_url: the API, e.g. ``http://127.0.0.1:8000``.
+        tokenizer: for the tokenizer fingerprint and the committed text.
+        signer: request signer or None (unauthenticated server).
+        timeout_s: whole-request timeout in seconds.
+    """
+
+    def __init__(self, base_url: str, tokenizer, signer=None, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.tokenizer, self.signer = tokenizer, signer
+        self.transport = RecordingTransport(base_url, signer=signer, timeout_s=timeout_s)
+        self._http: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def close(self) -> None:
+        await self.transport.close()
+        if self._http is not None:
+            await self._http.close()
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None,
+                       max_new_tokens: int = 128, seed: int = 0) -> dict:
+        """Create a session and stream its completion.
+
+        Returns ``{"token_ids", "text", "finish_reason", "metrics"}``; ``metrics`` holds
+        the per-request fields of ``report.aggregate`` (``committed_tokens``, ``wall_s``,
+        ``ttft_s``, ``token_times_s`` (s since start), ``uplink_bytes``/``downlink_bytes``
+        (bodies), ``target_passes``, ``target_seconds``, ``http_exchanges``).
+        Raises :class:`RemoteError` when the API refuses.
+        """
+        from edge_sdk.commit import Committer
+        from edge_sdk.models import tokenizer_fingerprint
+        from cloud_api.stream import MSG_DONE, MSG_TOKEN
+
+        cfg = sampling or SamplingConfig()
+        self.transport.calls.clear()
+        t_start = time.perf_counter()
+        body = wire.pack({"prompt_ids": list(prompt_ids), "sampling": cfg.to_dict(),
+                          "seed": seed, "max_new_tokens": max_new_tokens,
+                          "tokenizer_hash": tokenizer_fingerprint(self.tokenizer)})
+        data, _ = await self.transport.request("POST", "/v1/sessions", body)
+        info = wire.unpack(data)
+        sid = int(info["session_id"])
+        committer = Committer(self.tokenizer, max_new_tokens, info.get("eos_token_ids", []))
+        path = f"/v1/sessions/{sid}/generate"
+        headers = dict(self.signer.headers("POST", path, b"")) if self.signer else {}
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(timeout=self._timeout)
+        times: list[float] = []
+        target_s, passes, down, t_first = 0.0, 0, 0, None
+        server_reason = None
+        try:
+            async with self._http.post(self.base_url + path, data=b"",
+                                       headers=headers) as r:
+                if r.status >= 400:
+                    raw = await r.read()
+                    try:
+                        import json
+
+                        parsed = json.loads(raw)
+                    except ValueError:
+                        parsed = None
+                    raise RemoteError(r.status, parsed, raw[:200].decode("utf8", "replace"))
+                unpacker = msgpack.Unpacker(raw=False)
+                async for chunk in r.content.iter_any():
+                    down += len(chunk)
+                    unpacker.feed(chunk)
+                    now = time.perf_counter()
+                    for item in unpacker:
+                        if item[0] == MSG_TOKEN:
+                            target_s += float(item[2])
+                            passes += 1
+                            if not committer.done:
+                                committer.push(int(item[1]))
+                                times.append(now - t_start)
+                                t_first = t_first or now
+                        elif item[0] == MSG_DONE:
+                            server_reason = item[1]
+            t_end = time.perf_counter()
+        finally:
+            try:
+                await self.transport.request("DELETE", f"/v1/sessions/{sid}")
+            except Exception:  # noqa: BLE001 - best effort; the TTL evicts anyway
+                pass
+        finish = committer.finish_reason or server_reason or "length"
+        calls = self.transport.calls
+        up_b = sum(c.up_bytes for c in calls)
+        down_b = sum(c.down_bytes for c in calls) + down
+        n = len(committer.token_ids)
+        t_first = t_first or t_end
+        m = {"committed_tokens": n, "wall_s": t_end - t_start, "ttft_s": t_first - t_start,
+             "decode_s": t_end - t_first if n > 1 else 0.0, "token_times_s": times,
+             "drafted_tokens": 0, "accepted_tokens": 0, "rounds": 0,
+             "uplink_bytes": up_b, "downlink_bytes": down_b, "target_passes": passes,
+             "target_seconds": target_s, "wasted_draft_tokens": 0,
+             "correction_mode_counts": {"bounded": 0, "proposal": 0, "full": 0},
+             "tv_budget_spent": 0.0, "draft_seconds": 0.0,
+             "http_exchanges": len(calls) + 1}
+        return {"token_ids": list(committer.token_ids), "text": committer.text,
+                "finish_reason": finish, "metrics": m}

@@ -1,0 +1,686 @@
+"""Benchmark runner: the process layout and the measurement loop.
+
+Layout (one machine, loopback)::
+
+    bench process (edge core)                      server process (cloud core)
+    ┌────────────────────────────────┐             ┌──────────────────────────────┐
+    │ drafter + EdgeClient / stream  │──HTTP──▶ LinkEmulatorThread ──▶ aiohttp app │
+    │ (the mode under test)          │◀─────────   (profile)   ◀──── │ target model │
+    └────────────────────────────────┘             └──────────────────────────────┘
+
+* The **cloud** runs in a separate process (``multiprocessing`` *spawn*), pinned to its
+  own CPU(s) with ``os.sched_setaffinity`` and a fixed torch thread count. It loads the
+  target once, creates an ephemeral API key in an in-memory key store
+  (``SQLiteKeyStore(":memory:")``) and hands the raw key and its port to the bench over
+  the process pipe (``auth=False`` serves without authentication instead).
+* The **edge** (draft model, client, mode logic) runs in the bench process, pinned to
+  the other CPU(s) for the duration of :func:`run_bench` (restored afterwards).
+* The **link emulator** (:class:`~edge_sdk.bench.linkem.LinkEmulatorThread`, one per
+  profile) proxies the SDK's real HTTP traffic between them.
+
+Edge contention: ``edge_slowdown=F, slowdown_at_s=T`` wraps the drafter in
+:class:`SlowdownDrafter` (every draft forward started ``T`` seconds or more after the
+start of a run takes ``F`` times as long); ``edge_load=N`` starts ``N`` busy-loop
+processes pinned to the edge CPU(s) at ``T`` (:class:`EdgeLoad`). A *run* is one
+(mode, profile, workload) cell; the contention clock restarts with every run.
+
+:func:`run_bench` returns the ``results.json`` object (``report.validate_results``) and,
+given ``out_dir``, writes ``results.json``, ``summary.md``, the PNG plots and
+``requests.jsonl`` (one line per request: ids, token ids, metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from edge_sdk.bench import report
+from edge_sdk.bench.linkem import PROFILES, LinkEmulatorThread, Profile
+from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RequestRecord, get_mode)
+from edge_sdk.bench.workloads import Prompt, load_workload
+from edge_sdk.drafters.base import Drafter
+
+__all__ = [
+    "BenchConfig", "run_bench", "CloudServerProcess", "SlowdownDrafter", "EdgeLoad",
+    "SAMPLING_PRESETS", "QUICK", "split_cpus", "load_source", "ratio_specs",
+]
+
+SAMPLING_PRESETS = {"greedy": {"temperature": 0.0}, "sample": {"temperature": 0.7, "top_p": 0.9}}
+"""Sampling variants by name (``SamplingConfig`` fields)."""
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. Times in seconds, lengths in tokens.
+
+    Attributes:
+        modes: registered mode names (``edge_sdk.bench.modes.MODES``).
+        profiles: profile names of ``linkem.PROFILES`` or :class:`Profile` objects.
+        workloads: ``"mtbench"`` / ``"humaneval"``.
+        sampling: variants from :data:`SAMPLING_PRESETS` (``"greedy"``, ``"sample"``).
+        prompts: prompts per workload. seed: prompt shuffle and request seeds.
+        max_new_tokens: tokens generated per request. depth: draft depth gamma.
+        target, draft: model sources: a ``load_model`` spec string (preset, path,
+            ``name@N``) or a picklable zero-argument callable returning
+            ``(model, tokenizer)``; ``draft=None`` picks the CLI's default draft.
+        dtype: torch dtype name for both models.
+        cloud_cpus, edge_cpus: CPU ids for each side (None: split what is available).
+        cloud_threads, edge_threads: torch threads per side (None: number of CPUs).
+        auth: sign requests with an ephemeral key (False: unauthenticated server).
+        edge_slowdown: factor (>= 1) on each draft forward after ``slowdown_at_s``.
+        slowdown_at_s: seconds after the start of each run when contention starts.
+        edge_load: busy processes pinned to the edge CPUs from ``slowdown_at_s`` on.
+        warmup: one short unmeasured request per mode before measuring.
+        prompt_sets: explicit prompts per workload name (tests); overrides loading.
+        server_kw: extra ``create_app``/``CloudService`` options (max_batch, ...).
+        mode_options: per-mode options (``EdgeContext.options``), by mode name.
+    """
+
+    modes: list = field(default_factory=lambda: ["cloud-ar", "standard-sd", "specrelay"])
+    profiles: list = field(default_factory=lambda: list(PROFILES))
+    workloads: list = field(default_factory=lambda: ["mtbench", "humaneval"])
+    sampling: list = field(default_factory=lambda: ["greedy", "sample"])
+    prompts: int = 5
+    seed: int = 0
+    max_new_tokens: int = 64
+    depth: int = 4
+    target: object = "smollm2-135m"
+    draft: object = None
+    dtype: str = "float32"
+    cloud_cpus: Sequence[int] | None = None
+    edge_cpus: Sequence[int] | None = None
+    cloud_threads: int | None = None
+    edge_threads: int | None = None
+    auth: bool = True
+    edge_slowdown: float = 1.0
+    slowdown_at_s: float = 0.0
+    edge_load: int = 0
+    warmup: bool = True
+    prompt_sets: dict | None = None
+    server_kw: dict = field(default_factory=dict)
+    mode_options: dict = field(default_factory=dict)
+
+
+QUICK = dict(modes=["cloud-ar", "standard-sd", "specrelay"],
+             profiles=["weak", "cellular-edge", "strong"], workloads=["mtbench", "humaneval"],
+             sampling=["greedy"], prompts=1, max_new_tokens=24)
+"""``--quick`` settings: one greedy prompt per workload, 24 tokens, three profiles,
+every built-in mode (a few minutes on 2 CPU cores)."""
+
+
+def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
+    """``compute_ratios`` specs: every non-baseline mode against every baseline mode of
+    the run, for ``throughput_tok_s`` (higher is better) and, against ``standard-sd``,
+    ``uplink_bytes_per_token`` (lower is better)."""
+    specs = []
+    base = [m for m in modes if get_mode(m).baseline]
+    for m in modes:
+        if get_mode(m).baseline:
+            continue
+        for b in base:
+            if b == "standard-sd":
+                specs.append(("uplink_bytes_per_token", m, b, False))
+        for b in base:
+            specs.append(("throughput_tok_s", m, b, True))
+    return specs
+
+
+# --------------------------------------------------------------------------- models
+
+
+def load_source(src, dtype: str = "float32", threads: int | None = None):
+    """Load ``(model, tokenizer)`` from a spec string or a zero-argument callable."""
+    if callable(src):
+        return src()
+    from edge_sdk.models import load_model
+
+    return load_model(src, dtype=dtype, threads=threads)
+
+
+def split_cpus(cloud: Sequence[int] | None = None,
+               edge: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """CPU ids for (cloud, edge): the given ones, else the first available CPU for the
+    cloud and the rest for the edge (both share everything on a 1-CPU machine)."""
+    avail = sorted(os.sched_getaffinity(0))
+    if cloud is None and edge is None:
+        if len(avail) < 2:
+            return avail, avail
+        return avail[:1], avail[1:]
+    if cloud is None:
+        cloud = [c for c in avail if c not in set(edge)] or avail
+    if edge is None:
+        edge = [c for c in avail if c not in set(cloud)] or avail
+    return list(cloud), list(edge)
+
+
+# --------------------------------------------------------------------------- cloud process
+
+
+def _server_main(conn, target, dtype: str, cpus, threads: int, auth: bool,
+                 server_kw: dict) -> None:
+    """Entry of the spawned cloud process: pin, load, serve, handshake, wait for stop."""
+    try:
+        if cpus:
+            os.sched_setaffinity(0, set(cpus))
+        import torch
+
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        model, tok = load_source(target, dtype, threads)
+        load_s = time.perf_counter() - t0
+        from edge_sdk.kvmodel import KVModel
+
+        KVModel(model).forward([0, 1, 2, 3])                 # warm the kernels
+        store, raw_key = None, None
+        if auth:
+            from cloud_api.keys import SQLiteKeyStore
+
+            store = SQLiteKeyStore(":memory:")
+            _, raw_key = store.create("bench-ephemeral", scopes=("verify",),
+                                      rpm=10**9, tpm=10**12)
+        asyncio.run(_serve(conn, model, tok, store, raw_key, threads, load_s, server_kw))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        try:
+            conn.send({"error": traceback.format_exc()})
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -> None:
+    from aiohttp import web
+
+    from cloud_api.app import create_app
+
+    app = create_app(model, tok, key_store=store, threads=threads, **server_kw)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    conn.send({"port": port, "raw_key": raw_key, "load_s": load_s, "pid": os.getpid(),
+               "vocab_size": int(model.config.vocab_size)})
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.run_in_executor(None, conn.recv)         # "stop", or EOF
+    except (EOFError, OSError):
+        pass
+    await runner.cleanup()
+
+
+class CloudServerProcess:
+    """The verification API in a spawned process pinned to ``cpus``.
+
+    Args:
+        target: model source (spec string or picklable callable → (model, tokenizer)).
+        cpus: CPU ids for the process (None: not pinned).
+        threads: torch threads (default: number of CPUs, else 1).
+        auth: create an ephemeral signed key (see :attr:`raw_key`); False serves
+            without authentication.
+        dtype: torch dtype name. server_kw: ``create_app`` options.
+        startup_timeout_s: seconds to wait for the model load and the handshake.
+
+    ``with CloudServerProcess("smollm2-135m", cpus=[0]) as cloud: cloud.url``.
+    """
+
+    def __init__(self, target, cpus: Sequence[int] | None = None, threads: int | None = None,
+                 auth: bool = True, dtype: str = "float32", server_kw: dict | None = None,
+                 startup_timeout_s: float = 900.0):
+        self.cpus = list(cpus) if cpus else None
+        self.threads = threads or (len(self.cpus) if self.cpus else 1)
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_server_main, name="specrelay-bench-cloud",
+                                args=(child, target, dtype, self.cpus, self.threads, auth,
+                                      dict(server_kw or {})), daemon=True)
+        self._child = child
+        self.timeout = startup_timeout_s
+        self.info: dict | None = None
+
+    def launch(self) -> "CloudServerProcess":
+        """Start the process without waiting (see :meth:`wait_ready`)."""
+        self.proc.start()
+        self._child.close()
+        return self
+
+    def wait_ready(self) -> dict:
+        """Block until the server listens; returns the handshake dict
+        (``port``, ``raw_key``, ``load_s``, ``pid``, ``vocab_size``).
+        Raises RuntimeError (with the child's traceback) on failure or timeout."""
+        if self.info is None:
+            if not self._conn.poll(self.timeout):
+                self.stop()
+                raise RuntimeError(f"cloud server did not start within {self.timeout} s")
+            try:
+                msg = self._conn.recv()
+            except EOFError:
+                raise RuntimeError("cloud server process died during startup") from None
+            if "error" in msg:
+                self.stop()
+                raise RuntimeError("cloud server failed to start:\n" + msg["error"])
+            self.info = msg
+        return self.info
+
+    def start(self) -> "CloudServerProcess":
+        self.launch()
+        self.wait_ready()
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.wait_ready()["port"]
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>`` (direct, not through an emulator)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def raw_key(self) -> str | None:
+        """The ephemeral API key (None without auth). Never logged or written out."""
+        return self.wait_ready()["raw_key"]
+
+    def signer(self):
+        """A :class:`Signer` for the ephemeral key, or None without auth."""
+        from edge_sdk.protocol.signing import Signer
+
+        return Signer.from_api_key(self.raw_key) if self.raw_key else None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the server to shut down; kill it if it does not within ``timeout`` s."""
+        if self.proc.pid is None:
+            return
+        try:
+            self._conn.send("stop")
+        except (OSError, ValueError, BrokenPipeError):
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self._conn.close()
+
+    def __enter__(self) -> "CloudServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- contention
+
+
+class SlowdownDrafter(Drafter):
+    """Wraps a :class:`Drafter`; once ``at_s`` seconds have passed since the last
+    :meth:`restart_clock`, every draft forward (``sync``/``step``) is followed by a sleep
+    of ``(factor - 1)`` times its measured duration, so it takes ``factor`` times as
+    long (emulated edge contention, e.g. a robot's other workloads).
+
+    Attributes: ``slowed_calls`` (forwards slowed), ``added_s`` (seconds slept).
+    """
+
+    def __init__(self, inner: Drafter, factor: float, at_s: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter):
+        if factor < 1.0:
+            raise ValueError("slowdown factor must be >= 1")
+        if at_s < 0:
+            raise ValueError("slowdown_at_s must be >= 0 s")
+        self.inner, self.factor, self.at_s, self.clock = inner, float(factor), float(at_s), clock
+        self.vocab_size = inner.vocab_size
+        self.t0 = clock()
+        self.slowed_calls = 0
+        self.added_s = 0.0
+
+    def restart_clock(self) -> None:
+        """Start counting ``at_s`` from now (called at the start of every run)."""
+        self.t0 = self.clock()
+
+    @property
+    def active(self) -> bool:
+        """True once the slowdown applies."""
+        return self.factor > 1.0 and self.clock() - self.t0 >= self.at_s
+
+    def _timed(self, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        if self.active:
+            extra = (self.factor - 1.0) * (time.perf_counter() - t)
+            time.sleep(extra)
+            self.slowed_calls += 1
+            self.added_s += extra
+        return out
+
+    def sync(self, context):
+        return self._timed(self.inner.sync, context)
+
+    def step(self, token: int):
+        return self._timed(self.inner.step, token)
+
+    def cache_len(self) -> int:
+        return self.inner.cache_len()
+
+
+class EdgeLoad:
+    """``n`` busy-loop processes pinned to ``cpus`` (competing edge workloads), started
+    ``at_s`` seconds after :meth:`start` and killed by :meth:`stop`."""
+
+    def __init__(self, n: int, cpus: Sequence[int] | None, at_s: float = 0.0):
+        self.n, self.cpus, self.at_s = int(n), list(cpus) if cpus else None, float(at_s)
+        self.procs: list[subprocess.Popen] = []
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def _spawn(self) -> None:
+        pin = f"os.sched_setaffinity(0, {set(self.cpus)!r})\n" if self.cpus else ""
+        code = f"import os\n{pin}while True:\n    pass\n"
+        with self._lock:
+            if self._stopped:
+                return
+            for _ in range(self.n):
+                self.procs.append(subprocess.Popen([sys.executable, "-c", code],
+                                                   stdin=subprocess.DEVNULL))
+
+    def start(self) -> "EdgeLoad":
+        self._stopped = False
+        if self.n <= 0:
+            return self
+        if self.at_s <= 0:
+            self._spawn()
+        else:
+            self._timer = threading.Timer(self.at_s, self._spawn)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self._timer is not None:
+                self._timer.cancel()
+            for p in self.procs:
+                p.kill()
+            for p in self.procs:
+                p.wait()
+            self.procs = []
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _sampling(name: str):
+    from edge_sdk.protocol.sampling import SamplingConfig
+
+    try:
+        return SamplingConfig(**SAMPLING_PRESETS[name])
+    except KeyError:
+        raise ValueError(f"unknown sampling variant {name!r}; choose from "
+                         f"{sorted(SAMPLING_PRESETS)}") from None
+
+
+def _profile(p) -> Profile:
+    if isinstance(p, Profile):
+        return p
+    try:
+        return PROFILES[p]
+    except KeyError:
+        raise ValueError(f"unknown profile {p!r}; choose from {list(PROFILES)}") from None
+
+
+def _requests(tok, prompts: list[Prompt], label: str, seed: int) -> list[BenchRequest]:
+    from edge_sdk.models import encode_prompt
+
+    return [BenchRequest(p.id, label, tuple(encode_prompt(tok, p.text, p.kind == "chat")),
+                         seed * 1000 + i) for i, p in enumerate(prompts)]
+
+
+async def _run_cell(mode_cls, ctx: EdgeContext, reqs, on_done) -> list[RequestRecord]:
+    mode = mode_cls(ctx)
+    await mode.open()
+    try:
+        return await mode.run(reqs, on_done)
+    finally:
+        await mode.close()
+
+
+def _run_metrics(records: list[RequestRecord]) -> dict:
+    per = [r.metrics for r in records]
+    m = report.aggregate(per)
+    n = m["committed_tokens"]
+    for k in ("link_uplink_bytes", "link_downlink_bytes"):
+        tot = sum(r.get(k, 0) or 0 for r in per)
+        m[k + "_per_token"] = tot / n if n else None
+    m["wall_s_total"] = sum(r["wall_s"] for r in per)
+    m["prompt_tokens_mean"] = sum(r.get("prompt_tokens", 0) for r in per) / len(per)
+    return m
+
+
+def _digest(ids: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: bool = True,
+              log: Callable[[str], None] | None = None) -> dict:
+    """Measure every (profile, workload × sampling, mode) cell of ``cfg``.
+
+    Returns the ``results.json`` object; with ``out_dir`` also writes ``results.json``,
+    ``summary.md``, ``throughput.png``, ``latency_breakdown.png``,
+    ``acceptance_hist.png`` and ``requests.jsonl`` there.
+    Raises ValueError for unknown modes/profiles/workloads/sampling variants and
+    RuntimeError when the cloud process cannot start.
+    """
+    import torch
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    t_begin = time.perf_counter()
+    mode_classes = [get_mode(m) for m in cfg.modes]
+    profiles = [_profile(p) for p in cfg.profiles]
+    samplings = {s: _sampling(s) for s in cfg.sampling}
+    if cfg.edge_slowdown < 1.0:
+        raise ValueError("edge_slowdown must be >= 1")
+    if cfg.prompt_sets is not None:
+        prompt_sets = {w: list(ps) for w, ps in cfg.prompt_sets.items()}
+    else:
+        prompt_sets = {w: load_workload(w, cfg.prompts, cfg.seed) for w in cfg.workloads}
+    draft_src = cfg.draft
+    if draft_src is None:
+        from specrelay_cli import default_draft
+
+        draft_src = default_draft()
+    cloud_cpus, edge_cpus = split_cpus(cfg.cloud_cpus, cfg.edge_cpus)
+    cloud_threads = cfg.cloud_threads or len(cloud_cpus)
+    edge_threads = cfg.edge_threads or len(edge_cpus)
+
+    old_aff, old_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    cloud = CloudServerProcess(cfg.target, cloud_cpus, cloud_threads, cfg.auth, cfg.dtype,
+                               cfg.server_kw).launch()
+    records_out: list[dict] = []
+    runs: list[dict] = []
+    try:
+        os.sched_setaffinity(0, set(edge_cpus))
+        torch.set_num_threads(edge_threads)
+        log(f"edge: loading draft {_name(draft_src)} on CPUs {edge_cpus} "
+            f"({edge_threads} threads); cloud: target {_name(cfg.target)} on CPUs "
+            f"{cloud_cpus} ({cloud_threads} threads)")
+        t0 = time.perf_counter()
+        dmodel, tok = load_source(draft_src, cfg.dtype, edge_threads)
+        draft_load_s = time.perf_counter() - t0
+        from edge_sdk.drafters.torch import TorchDrafter
+
+        base_drafter = TorchDrafter(dmodel)
+        drafter = (SlowdownDrafter(base_drafter, cfg.edge_slowdown, cfg.slowdown_at_s)
+                   if cfg.edge_slowdown > 1.0 else base_drafter)
+        info = cloud.wait_ready()
+        signer = cloud.signer()
+        log(f"cloud ready on port {info['port']} (target loaded in {info['load_s']:.1f} s; "
+            f"auth={'ephemeral key' if cfg.auth else 'off'})")
+        cells = [(w, s) for w in prompt_sets for s in cfg.sampling]
+        reqs = {(w, s): _requests(tok, prompt_sets[w], _label(w, s, cfg.sampling), cfg.seed)
+                for w, s in cells}
+        if cfg.warmup:
+            _warmup(mode_classes, cloud, tok, drafter, signer, cfg, reqs)
+        total = len(profiles) * sum(len(r) for r in reqs.values()) * len(mode_classes)
+        with _progress(progress, total) as bar:
+            for prof in profiles:
+                with LinkEmulatorThread("127.0.0.1", info["port"], prof, seed=cfg.seed) as em:
+                    stats = em.stats
+                    link = (lambda st=stats: (st.uplink_bytes, st.downlink_bytes))
+                    for (w, s) in cells:
+                        label = _label(w, s, cfg.sampling)
+                        for mcls in mode_classes:
+                            bar.describe(f"{mcls.name} | {prof.name} | {label}")
+                            ctx = EdgeContext(
+                                f"http://127.0.0.1:{em.port}", tok,
+                                drafter if mcls.needs_drafter else None, signer, prof,
+                                samplings[s], cfg.max_new_tokens, cfg.depth, link,
+                                dict(cfg.mode_options.get(mcls.name, {})))
+                            load = EdgeLoad(cfg.edge_load, edge_cpus, cfg.slowdown_at_s)
+                            if isinstance(drafter, SlowdownDrafter):
+                                drafter.restart_clock()
+                            slowed0 = getattr(drafter, "slowed_calls", 0)
+                            load.start()
+                            try:
+                                recs = asyncio.run(_run_cell(mcls, ctx, reqs[(w, s)],
+                                                             lambda r: bar.advance()))
+                            finally:
+                                load.stop()
+                            m = _run_metrics(recs)
+                            m["draft_slowed_calls"] = getattr(drafter, "slowed_calls", 0) - slowed0
+                            runs.append({"mode": mcls.name, "profile": prof.name,
+                                         "workload": label, "metrics": m})
+                            for r in recs:
+                                records_out.append({
+                                    "mode": mcls.name, "profile": prof.name, "workload": label,
+                                    "prompt_id": r.request.prompt_id, "seed": r.request.seed,
+                                    "finish_reason": r.finish_reason, "token_ids": r.token_ids,
+                                    "output_sha": _digest(r.token_ids), "metrics": r.metrics})
+    finally:
+        cloud.stop()
+        os.sched_setaffinity(0, old_aff)
+        torch.set_num_threads(old_threads)
+
+    ratios = report.compute_ratios(runs, ratio_specs([m.name for m in mode_classes]))
+    config = {
+        "target": _name(cfg.target), "draft": _name(draft_src),
+        "modes": [m.name for m in mode_classes], "profiles": [p.to_dict() for p in profiles],
+        "workloads": list(prompt_sets), "sampling": {s: samplings[s].to_dict()
+                                                     for s in cfg.sampling},
+        "prompts_per_workload": {w: len(p) for w, p in prompt_sets.items()},
+        "max_new_tokens": cfg.max_new_tokens, "depth": cfg.depth, "seed": cfg.seed,
+        "dtype": cfg.dtype, "auth": cfg.auth,
+        "cloud_cpus": cloud_cpus, "edge_cpus": edge_cpus, "cloud_threads": cloud_threads,
+        "edge_threads": edge_threads, "edge_slowdown": cfg.edge_slowdown,
+        "slowdown_at_s": cfg.slowdown_at_s, "edge_load": cfg.edge_load,
+        "target_load_s": round(info["load_s"], 3), "draft_load_s": round(draft_load_s, 3),
+        "greedy_outputs_identical": _greedy_identity(
+            records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets}),
+        "bench_wall_s": round(time.perf_counter() - t_begin, 1),
+        "loadavg_1m_end": round(os.getloadavg()[0], 2),
+        "host": f"{platform.node()} ({os.cpu_count()} CPUs, python "
+                f"{platform.python_version()}, torch {torch.__version__})",
+    }
+    results = {"config": config, "runs": runs, "ratios": ratios}
+    report.validate_results(results)
+    if out_dir is not None:
+        write_outputs(results, records_out, out_dir)
+    return results
+
+
+def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> list[Path]:
+    """Write results.json, summary.md, the plots and requests.jsonl; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [report.write_results(results, out / "results.json"),
+             report.write_summary_md(results, out / "summary.md")]
+    paths += report.write_plots(results, out)
+    req = out / "requests.jsonl"
+    with open(req, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    paths.append(req)
+    return paths
+
+
+def _greedy_identity(records: list[dict], greedy_labels: set[str]):
+    """For greedy cells: do all modes produce the same tokens per (profile, workload,
+    prompt)? True/False, or None when no cell ran two modes."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        if r["workload"] in greedy_labels:
+            groups.setdefault((r["profile"], r["workload"], r["prompt_id"]), []).append(
+                r["output_sha"])
+    comparable = [v for v in groups.values() if len(v) >= 2]
+    if not comparable:
+        return None
+    return all(len(set(v)) == 1 for v in comparable)
+
+
+def _label(workload: str, sampling: str, all_sampling: Sequence[str]) -> str:
+    """Workload label in results: the workload name, suffixed with the sampling variant
+    when several variants run (``mtbench/greedy``, ``mtbench/sample``)."""
+    return workload if len(all_sampling) == 1 and sampling == "greedy" else f"{workload}/{sampling}"
+
+
+def _name(src) -> str:
+    if isinstance(src, str):
+        return src
+    return getattr(src, "__qualname__", None) or getattr(getattr(src, "func", None),
+                                                         "__qualname__", repr(src))
+
+
+def _warmup(mode_classes, cloud, tok, drafter, signer, cfg, reqs) -> None:
+    """One short, unmeasured request per mode straight to the server (warms kernels,
+    allocators and HTTP connections on both sides)."""
+    first = next(iter(reqs.values()))
+    if not first:
+        return
+    req = dataclasses.replace(first[0], prompt_ids=first[0].prompt_ids[-32:])
+    prof = Profile("warmup", None, None)
+    for mcls in mode_classes:
+        ctx = EdgeContext(cloud.url, tok, drafter if mcls.needs_drafter else None, signer,
+                          prof, _sampling(cfg.sampling[0]), min(4, cfg.max_new_tokens),
+                          cfg.depth, None, dict(cfg.mode_options.get(mcls.name, {})))
+        asyncio.run(_run_cell(mcls, ctx, [req], None))
+
+
+class _progress:
+    """rich progress bar (or nothing) with ``describe`` and ``advance``."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+        self.p = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn)
+
+            self.p = Progress(TextColumn("{task.description}"), BarColumn(),
+                              MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
+            self.p.__enter__()
+            self.task = self.p.add_task("bench", total=self.total)
+        return self
+
+    def describe(self, text: str) -> None:
+        if self.p is not None:
+            self.p.update(self.task, description=text)
+
+    def advance(self) -> None:
+        if self.p is not None:
+            self.p.advance(self.task)
+
+    def __exit__(self, *exc):
+        if self.p is not None:
+            self.p.__exit__(*exc)
