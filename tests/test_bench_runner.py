@@ -83,6 +83,7 @@ def test_scripted_run_through_emulator(tmp_path):
     assert ("throughput_tok_s", "specrelay", "cloud-ar") in ratios
     summary = (tmp_path / "summary.md").read_text()
     assert "throughput_tok_s" in summary and "| specrelay | lan | mini |" in summary
+    assert "Latency breakdown" in summary and "link up" in summary
     for png in ("throughput.png", "latency_breakdown.png", "acceptance_hist.png"):
         data = (tmp_path / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000

@@ -604,6 +604,8 @@ def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> li
     out.mkdir(parents=True, exist_ok=True)
     paths = [report.write_results(results, out / "results.json"),
              report.write_summary_md(results, out / "summary.md")]
+    with open(paths[-1], "a", encoding="utf-8") as f:
+        f.write(_extra_summary(results))
     paths += report.write_plots(results, out)
     req = out / "requests.jsonl"
     with open(req, "w", encoding="utf-8") as f:
@@ -611,6 +613,39 @@ def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> li
             f.write(json.dumps(r) + "\n")
     paths.append(req)
     return paths
+
+
+def _extra_summary(results: dict) -> str:
+    """Markdown appended to summary.md: latency breakdown and link-level bytes."""
+    def ms(v):
+        return "–" if v is None else f"{v * 1e3:.1f}"
+
+    def num(v, fmt="{:.1f}"):
+        return "–" if v is None else fmt.format(v)
+
+    lines = ["", "## Latency breakdown (ms per committed token)", "",
+             "draft = edge draft compute; verify = target compute; upload/download = link "
+             "model (bytes x 8 / bandwidth + RTT/2 per exchange); wait = the rest "
+             "(prefill, queueing, stalls, HTTP).", "",
+             "| mode | profile | workload | " + " | ".join(report.BREAKDOWN_PHASES)
+             + " | total |", "|" + "---|" * (4 + len(report.BREAKDOWN_PHASES))]
+    for r in results["runs"]:
+        bd = r["metrics"]["breakdown_s"]
+        lines.append(f"| {r['mode']} | {r['profile']} | {r['workload']} | "
+                     + " | ".join(ms(bd[p]) for p in report.BREAKDOWN_PHASES)
+                     + f" | {ms(sum(bd.values()))} |")
+    lines += ["", "## Bytes per committed token", "",
+              "Protocol = message bodies (SPEC §7 metrics); link = every byte the link "
+              "emulator carried (HTTP and signing headers included).", "",
+              "| mode | profile | workload | protocol up | protocol down | link up | link down |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        m = r["metrics"]
+        lines.append(f"| {r['mode']} | {r['profile']} | {r['workload']} | "
+                     f"{num(m['uplink_bytes_per_token'])} | {num(m['downlink_bytes_per_token'])} | "
+                     f"{num(m.get('link_uplink_bytes_per_token'))} | "
+                     f"{num(m.get('link_downlink_bytes_per_token'))} |")
+    return "\n".join(lines) + "\n"
 
 
 def _greedy_identity(records: list[dict], greedy_labels: set[str]):
