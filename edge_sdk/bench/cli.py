@@ -40,7 +40,7 @@ def _cpus(value: str | None) -> list[int] | None:
               "requests.jsonl.")
 @click.option("--quick", is_flag=True, help="A few-minute run: modes cloud-ar, standard-sd, "
               "specrelay; profiles weak, cellular-edge, strong; 1 greedy prompt per workload; "
-              "24 new tokens. Explicit options override these.")
+              "20 new tokens. Explicit options override these.")
 @click.option("--modes", default=None, help="Comma list of modes "
               f"[default: {_DEFAULTS['modes']}]. See --list-modes.")
 @click.option("--profiles", default=None,

@@ -116,8 +116,8 @@ class BenchConfig:
 
 QUICK = dict(modes=["cloud-ar", "standard-sd", "specrelay"],
              profiles=["weak", "cellular-edge", "strong"], workloads=["mtbench", "humaneval"],
-             sampling=["greedy"], prompts=1, max_new_tokens=24)
-"""``--quick`` settings: one greedy prompt per workload, 24 tokens, three profiles,
+             sampling=["greedy"], prompts=1, max_new_tokens=20)
+"""``--quick`` settings: one greedy prompt per workload, 20 tokens, three profiles,
 every built-in mode (a few minutes on 2 CPU cores)."""
 
 
