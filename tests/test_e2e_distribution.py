@@ -63,6 +63,8 @@ def pvalue(counts, exact) -> float:
     big = expected >= 5
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:          # no small cells to pool
+        obs, exp = obs[:-1], exp[:-1]
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
