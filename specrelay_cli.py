@@ -23,6 +23,24 @@ def default_draft() -> str:
         models.draft_available("smollm2-135m-draft") else "smollm2-135m@4"
 
 
+def make_drafter(spec: str):
+    """A drafter from a model spec, or an ONNX export folder (``specrelay_onnx.json``).
+
+    Returns ``(drafter, tokenizer or None)``; ONNX folders carry no tokenizer (use the
+    target's: draft and target share it)."""
+    from pathlib import Path
+
+    if (Path(spec) / "specrelay_onnx.json").is_file():
+        from edge_sdk.drafters.onnx import OnnxDrafter
+
+        return OnnxDrafter(spec), None
+    from edge_sdk.drafters.torch import TorchDrafter
+    from edge_sdk.models import load_model
+
+    model, tok = load_model(spec)
+    return TorchDrafter(model), tok
+
+
 def sampling_options(f):
     opts = [
         click.option("--temperature", type=float, default=0.0, show_default=True,
@@ -149,17 +167,21 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True)
 @click.option("--api-key", envvar="SPECRELAY_API_KEY", default=None,
               help="API key (env SPECRELAY_API_KEY); omit for an --insecure-no-auth server.")
-@click.option("--draft", default=None, help="Draft model (default: the demo draft).")
+@click.option("--draft", default=None, help="Draft model: preset, path, or an ONNX "
+              "export folder (default: the demo draft).")
+@click.option("--tokenizer", default=DEFAULT_TARGET, show_default=True,
+              help="Tokenizer source when the draft has none (ONNX exports).")
 @sampling_options
-def generate(prompt, url, api_key, draft, **kw):
+def generate(prompt, url, api_key, draft, tokenizer, **kw):
     """Generate against a running verification API."""
-    from edge_sdk.drafters.torch import TorchDrafter
-    from edge_sdk.models import load_model
+    from edge_sdk.models import load_tokenizer
     from edge_sdk.protocol.signing import Signer
 
     signer = Signer.from_api_key(api_key) if api_key else None
-    dmodel, tok = load_model(draft or default_draft())
-    drafter = None if kw["target_only"] else TorchDrafter(dmodel)
+    drafter, tok = make_drafter(draft or default_draft())
+    tok = tok or load_tokenizer(tokenizer)
+    if kw["target_only"]:
+        drafter = None
     res = asyncio.run(_generate(url, drafter, tok, prompt, kw, signer))
     _print_result(res, kw["as_json"], "target only" if kw["target_only"] else "speculative")
 
@@ -171,13 +193,15 @@ def generate(prompt, url, api_key, draft, **kw):
               "draft if present, else the target's first 4 layers).")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="Also run the target alone and report identity and speed ratio.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="Target dtype (bfloat16: cheaper verification on "
+              "AMX CPUs; greedy identity then holds up to bf16 ties).")
 @sampling_options
-def demo(prompt, target, draft, compare, **kw):
+def demo(prompt, target, draft, compare, dtype, **kw):
     """Start a local signed server with the default models, generate, print metrics."""
     from cloud_api.app import create_app
     from cloud_api.keys import SQLiteKeyStore
     from cloud_api.server import BackgroundServer
-    from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import load_model
     from edge_sdk.protocol.signing import Signer
 
@@ -189,14 +213,14 @@ def demo(prompt, target, draft, compare, **kw):
                 "distill` for a trained draft)")
     if not kw["as_json"]:
         click.echo(f"loading target {target} and draft {draft} ...", err=True)
-    tmodel, tok = load_model(target)
-    dmodel, _ = load_model(draft)
+    tmodel, tok = load_model(target, dtype=dtype)
+    drafter, _ = make_drafter(draft)
     store = SQLiteKeyStore(":memory:")
     _, raw_key = store.create("demo-ephemeral", scopes=("verify",), rpm=100_000,
                               tpm=10_000_000)
     signer = Signer.from_api_key(raw_key)
     with BackgroundServer(create_app(tmodel, tok, key_store=store)) as srv:
-        res = asyncio.run(_generate(srv.url, TorchDrafter(dmodel), tok, prompt,
+        res = asyncio.run(_generate(srv.url, drafter, tok, prompt,
                                     kw | {"target_only": kw["target_only"]}, signer))
         extra = {}
         if compare and not kw["target_only"]:
