@@ -74,11 +74,18 @@ def _sampling(kw):
                           repetition_penalty=kw["repetition_penalty"])
 
 
-async def _generate(url, drafter, tok, prompt, kw, signer):
+async def _generate(url, drafter, tok, prompt, kw, signer, ca_cert=None):
     from edge_sdk import EdgeClient
+    from edge_sdk.transport import Transport
 
+    ssl_ctx = None
+    if ca_cert:
+        import ssl
+
+        ssl_ctx = ssl.create_default_context(cafile=ca_cert)
+    transport = Transport(url, signer=signer, ssl_context=ssl_ctx)
     async with EdgeClient(url, drafter, tok, depth=kw["depth"], mode=kw["mode"],
-                          signer=signer, chat=kw["chat"]) as c:
+                          chat=kw["chat"], transport=transport) as c:
         return await c.generate(prompt, sampling=_sampling(kw), seed=kw["seed"],
                                 max_new_tokens=kw["max_new_tokens"], stop=kw["stop"],
                                 target_only=kw["target_only"])
@@ -171,8 +178,10 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
               "export folder (default: the demo draft).")
 @click.option("--tokenizer", default=DEFAULT_TARGET, show_default=True,
               help="Tokenizer source when the draft has none (ONNX exports).")
+@click.option("--ca-cert", type=click.Path(exists=True), default=None,
+              help="CA certificate to trust for an https:// server.")
 @sampling_options
-def generate(prompt, url, api_key, draft, tokenizer, **kw):
+def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
     """Generate against a running verification API."""
     from edge_sdk.models import load_tokenizer
     from edge_sdk.protocol.signing import Signer
@@ -182,7 +191,7 @@ def generate(prompt, url, api_key, draft, tokenizer, **kw):
     tok = tok or load_tokenizer(tokenizer)
     if kw["target_only"]:
         drafter = None
-    res = asyncio.run(_generate(url, drafter, tok, prompt, kw, signer))
+    res = asyncio.run(_generate(url, drafter, tok, prompt, kw, signer, ca_cert))
     _print_result(res, kw["as_json"], "target only" if kw["target_only"] else "speculative")
 
 

@@ -36,20 +36,24 @@ class Transport:
         retries: attempts after the first for connection errors, 429 and 502-504
             (verify is idempotent: the cloud answers a repeated block from its cache).
         timeout_s: per-request timeout in seconds.
+        ssl_context: TLS context for ``https://`` (e.g. trusting a private CA); None
+            uses the system trust store.
     """
 
     def __init__(self, base_url: str, signer=None, retries: int = 4, timeout_s: float = 120.0,
-                 backoff_s: float = 0.05):
+                 backoff_s: float = 0.05, ssl_context=None):
         self.base_url = base_url.rstrip("/")
         self.signer, self.retries, self.backoff_s = signer, retries, backoff_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.ssl_context = ssl_context
         self._session: aiohttp.ClientSession | None = None
         self.uplink_bytes = 0
         self.downlink_bytes = 0
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            conn = aiohttp.TCPConnector(ssl=self.ssl_context) if self.ssl_context else None
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=conn)
         return self._session
 
     async def close(self) -> None:
