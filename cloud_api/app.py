@@ -230,7 +230,7 @@ async def healthz(request: web.Request) -> web.Response:
                               "tokenizer_hash": svc.fingerprint})
 
 
-def create_app(model, tokenizer, *, key_store=None, middlewares=(),
+def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, middlewares=(),
                client_max_size: int = wire.MAX_BODY_BYTES, **service_kw) -> web.Application:
     """Build the verification app around a loaded target model.
 
@@ -239,6 +239,7 @@ def create_app(model, tokenizer, *, key_store=None, middlewares=(),
         key_store: a :class:`cloud_api.keys.KeyStore`; when given every /v1 request must
             be signed by a key with the ``verify`` scope and is rate limited per key.
             None serves without authentication (local development only).
+        rate_window_s: window (seconds) of the per-key rpm/tpm limits.
         middlewares: extra aiohttp middlewares (auth, rate limits) run after the
             JSON error middleware.
         client_max_size: body limit in bytes (larger bodies get 413 JSON).
@@ -254,7 +255,7 @@ def create_app(model, tokenizer, *, key_store=None, middlewares=(),
         from cloud_api.ratelimit import RateLimiter, ratelimit_middleware
 
         mws += [auth_middleware(key_store),
-                ratelimit_middleware(RateLimiter(store=key_store))]
+                ratelimit_middleware(RateLimiter(window_s=rate_window_s, store=key_store))]
     app = web.Application(middlewares=[*mws, *middlewares],
                           client_max_size=client_max_size)
     svc = CloudService(model, tokenizer, metrics=metrics, **service_kw)
