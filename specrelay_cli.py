@@ -166,7 +166,12 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     target, tok = load_model(model, dtype=dtype, threads=threads)
     app = create_app(target, tok, key_store=store, max_batch=max_batch,
                      max_wait_s=max_wait_ms / 1000)
-    web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # our structured access log replaces aiohttp's (which would log user agents etc.)
+    web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30,
+                access_log=None)
 
 
 @main.command()

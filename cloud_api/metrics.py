@@ -6,6 +6,8 @@ Names follow SPEC §7 where a counter exists for them.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 
 from aiohttp import web
@@ -13,6 +15,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                Histogram, generate_latest)
 
 METRICS = web.AppKey("metrics", object)
+access_log = logging.getLogger("specrelay.access")
 
 
 class ApiMetrics:
@@ -71,7 +74,10 @@ def _endpoint(request: web.Request) -> str:
 
 
 def metrics_middleware(m: ApiMetrics):
-    """Counts requests by endpoint and status, latency and body bytes."""
+    """Counts requests by endpoint and status, latency and body bytes, and writes one
+    structured (JSON) access-log line per request on ``specrelay.access``: endpoint,
+    status, seconds, body sizes and the API key *id* — never bodies, prompts, headers
+    or secrets."""
 
     @web.middleware
     async def mw(request: web.Request, handler):
@@ -88,9 +94,17 @@ def metrics_middleware(m: ApiMetrics):
             raise
         finally:
             ep = _endpoint(request)
+            dt = time.perf_counter() - t0
             m.requests.labels(ep, str(status)).inc()
-            m.latency.labels(ep).observe(time.perf_counter() - t0)
+            m.latency.labels(ep).observe(dt)
             m.bytes.labels("in").inc(request.content_length or 0)
+            if access_log.isEnabledFor(logging.INFO):
+                key = request.get("api_key")
+                access_log.info(json.dumps({
+                    "endpoint": ep, "status": status, "seconds": round(dt, 6),
+                    "bytes_in": request.content_length or 0,
+                    "key_id": getattr(key, "key_id", None),
+                    "session": request.match_info.get("sid")}))
 
     return mw
 
