@@ -12,6 +12,16 @@ import torch
 from transformers import DynamicCache
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class KVModel:
     """Runs a HF causal LM incrementally over one sequence (batch 1).
 
@@ -63,11 +73,7 @@ class KVModel:
         """
         if not context:
             raise ValueError("context must hold at least one token")
-        common = 0
-        for a, b in zip(self.ids, context):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self.ids, context)
         self.crop(min(common, len(context) - 1))
         new = list(context[len(self.ids):]) + list(block)
         return self.forward(new)[-(len(block) + 1):]
@@ -75,11 +81,7 @@ class KVModel:
     def align(self, prefix: Sequence[int]) -> None:
         """Make the cache hold exactly ``prefix``: roll back to the longest common
         prefix, then run whatever is missing (after a rebuild, say)."""
-        common = 0
-        for a, b in zip(self.ids, prefix):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self.ids, prefix)
         self.crop(common)
         if len(prefix) > common:
             self.forward(prefix[common:])

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from edge_sdk.drafters.base import Drafter
+from edge_sdk.kvmodel import common_prefix
 
 MANIFEST_NAME = "specrelay_onnx.json"
 MODEL_NAME = "model.onnx"
@@ -292,11 +293,7 @@ class OnnxRunner:
         the common prefix) and return the logits after ``context[-1]``, float32 [V]."""
         if not context:
             raise ValueError("context must hold at least one token")
-        common = 0
-        for a, b in zip(self.ids, context):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self.ids, context)
         self.crop(min(common, len(context) - 1))
         return self.forward(context[len(self.ids):])[-1]
 
