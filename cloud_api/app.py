@@ -114,6 +114,7 @@ class CloudService:
         ids = m.get("prompt_ids") or encode_prompt(self.tokenizer, m["prompt"], m["chat"])
         if len(ids) >= self.verifier.max_context:
             raise ApiError(422, "context_full", "prompt exceeds the model context", "prompt")
+        self.sessions.check_owner_limit(owner)   # before spending a prefill
         s = Session(self.sessions.new_id(), owner, m["sampling"], m["seed"], m["mode"],
                     m["support_k"], m["n_proposals"], m["max_new_tokens"],
                     KVModel(self.model), list(ids), len(ids))

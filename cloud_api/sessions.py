@@ -106,12 +106,16 @@ class SessionStore:
     def kv_bytes(self) -> int:
         return sum(len(s.tokens) for s in self._s.values()) * self.kv_bytes_per_token
 
-    def add(self, s: Session) -> None:
-        """Register a session. Raises ApiError 429 when its key has too many."""
+    def check_owner_limit(self, owner: str | None) -> None:
+        """Raises ApiError 429 when ``owner`` already has the most sessions allowed."""
         self.expire()
-        if sum(1 for x in self._s.values() if x.owner == s.owner) >= self.max_per_key:
+        if sum(1 for x in self._s.values() if x.owner == owner) >= self.max_per_key:
             raise ApiError(429, "too_many_sessions",
                            f"at most {self.max_per_key} open sessions per key", "session")
+
+    def add(self, s: Session) -> None:
+        """Register a session. Raises ApiError 429 when its key has too many."""
+        self.check_owner_limit(s.owner)
         self._s[s.id] = s
         self.enforce(keep=s.id)
 
