@@ -1,11 +1,15 @@
 """Edge client: draft a block, send it, apply the verdict, commit token by token.
 
-Stop-and-wait rounds at a fixed draft depth (gamma). Output equals the target's: greedy
-token-for-token, sampling in distribution (SPEC §1-2).
+Each round's draft depth comes from a depth controller (``edge_sdk.control``: fixed,
+heuristic, CAAC, UCB-SpecStop; SPEC §4, §6). Rounds are stop-and-wait, or proactive
+(``edge_sdk.proactive``: IPDG/NPDG, SPEC §5) where the next block is drafted while the
+current one is being verified. Output equals the target's: greedy token-for-token,
+sampling in distribution (SPEC §1-2), whatever the controller or proactive mode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
@@ -15,10 +19,14 @@ import torch
 
 from edge_sdk import correction as C
 from edge_sdk.commit import Committer
+from edge_sdk.control import (DepthController, FixedDepth, PlanContext, RoundRecord,
+                              make_controller)
 from edge_sdk.drafters.base import DraftBlock, Drafter
 from edge_sdk.metrics import RequestMetrics
 from edge_sdk.models import encode_prompt, tokenizer_fingerprint
 from edge_sdk.protocol import wire
+from edge_sdk.proactive import MODES as PROACTIVE_MODES
+from edge_sdk.proactive import ProactiveResult, draft_generator, run_proactive
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.scheduler import DraftScheduler
 from edge_sdk.transport import MSGPACK, RemoteError, Transport
@@ -53,7 +61,8 @@ class EdgeClient:
         base_url: the API, e.g. ``http://127.0.0.1:8000``.
         drafter: a :class:`Drafter` (None allows only ``target_only`` generation).
         tokenizer: shared by draft and target (checked by fingerprint at session create).
-        depth: draft depth gamma per block (1..max_block of the server).
+        depth: draft depth gamma per block when no ``controller`` is given (fixed; clamped
+            to 1..max_block of the server and to the tokens left).
         mode: ``asym`` (token, q pairs on the uplink; staged correction) or ``standard``
             (baseline: full q per position uploaded, cloud draws corrections).
         eps_req: request TV budget for bounded corrections (0 = exact).
@@ -65,16 +74,38 @@ class EdgeClient:
             requests (one is made per client when None). Concurrent ``generate`` calls
             on one client form the confirmed-prefix pipeline: while one request waits
             for verification, another drafts.
+        controller: draft-depth policy: a registry name (``fixed|heuristic|caac|
+            ucb-specstop``, a fresh controller per request; ``controller_kw`` go to its
+            constructor), a :class:`DepthController` (shared by every request of this
+            client), or a zero-argument factory returning one. None: fixed ``depth``.
+        proactive: ``off`` (stop-and-wait), ``ipdg`` (RAPID's interruptible proactive
+            drafting: draft the next block while the current one is verified, stop at the
+            first expansion step after the verdict) or ``npdg`` (the non-interruptible
+            baseline). Proactive steps share the scheduler's draft worker but are not
+            confirmed-prefix grants (they draft a descendant of an unresolved block).
+        proactive_roots: b, the number of guessed bonus tokens (b > 1: a tree of b
+            branches, each on its own drafter fork).
     """
 
     def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = 4,
                  mode: str = "asym", eps_req: float = 0.0, correction: str = "auto",
                  support_k: int = 32, n_proposals: int = 4, signer=None, chat: bool = True,
-                 transport: Transport | None = None, scheduler: DraftScheduler | None = None):
+                 transport: Transport | None = None, scheduler: DraftScheduler | None = None,
+                 controller: str | DepthController | None = None,
+                 controller_kw: dict | None = None, proactive: str = "off",
+                 proactive_roots: int = 1):
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
         if correction not in C.MODES:
             raise ValueError(f"correction must be one of {C.MODES}")
+        if proactive not in PROACTIVE_MODES:
+            raise ValueError(f"proactive must be one of {PROACTIVE_MODES}")
+        if not 1 <= int(proactive_roots) <= 8:
+            raise ValueError("proactive_roots must be in 1..8")
+        if isinstance(controller, str):
+            make_controller(controller, **(controller_kw or {}))    # validate early
+        self.controller, self.controller_kw = controller, dict(controller_kw or {})
+        self.proactive, self.proactive_roots = proactive, int(proactive_roots)
         self.drafter, self.tokenizer = drafter, tokenizer
         self.depth, self.mode, self.eps_req, self.correction = depth, mode, eps_req, correction
         self.support_k, self.n_proposals, self.chat = support_k, n_proposals, chat
@@ -119,7 +150,8 @@ class EdgeClient:
             sampling: :class:`SamplingConfig` (default greedy); max_new_tokens (tokens);
             stop: stop strings; seed: RNG seed (edge and cloud draws);
             target_only: generate with the target alone (blocks of depth 0);
-            depth: override the draft depth for this request.
+            depth: fixed draft depth for this request (overrides the controller);
+            controller: depth controller for this request (as in :class:`EdgeClient`).
         Raises:
             RemoteError: the API refused a request (4xx) after retries.
         """
@@ -136,7 +168,8 @@ class Generation:
                  prompt_ids: Sequence[int] | None = None, sampling: SamplingConfig | None = None,
                  max_new_tokens: int = 128, stop: Sequence[str] = (), seed: int = 0,
                  target_only: bool = False, depth: int | None = None,
-                 eps_req: float | None = None):
+                 eps_req: float | None = None,
+                 controller: str | DepthController | None = None):
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of prompt or prompt_ids")
         self.c = client
@@ -151,6 +184,31 @@ class Generation:
         self.gen = torch.Generator().manual_seed(seed)
         self.committer: Committer | None = None
         self.drafter = None if self.target_only else client._lease_drafter()
+        self._leased = self.drafter
+        self.ctrl = self._make_controller(controller, depth)
+        self.round_idx = 0                      # verification rounds so far (draft RNG)
+        self.max_block = 8
+        self._next: tuple | None = None         # kept proactive branch: (Branch, plan)
+        self._forks: list[Drafter] = []         # extra drafters for proactive tree roots
+        self._t_verdict: float | None = None    # perf_counter of the last verdict
+
+    def _make_controller(self, spec, depth: int | None) -> DepthController:
+        if depth is not None:
+            return FixedDepth(depth)
+        spec = spec if spec is not None else self.c.controller
+        if spec is None:
+            return FixedDepth(self.c.depth)
+        if isinstance(spec, DepthController):
+            return spec
+        if isinstance(spec, str):
+            kw = dict(self.c.controller_kw)
+            if spec in ("fixed", "static"):
+                kw.setdefault("depth", self.c.depth)
+            return make_controller(spec, **kw)
+        ctrl = spec()
+        if not isinstance(ctrl, DepthController):
+            raise TypeError("controller factory must return a DepthController")
+        return ctrl
 
     def result(self) -> GenerationResult:
         cm = self.committer
@@ -175,6 +233,7 @@ class Generation:
         data = await self._call("POST", "/v1/sessions", wire.pack(body))
         info = wire.unpack(data)
         self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
+        self.max_block = int(info.get("max_block", self.max_block))
         self.seq, self.pending = 0, None
         self.path = f"/v1/sessions/{self.sid}"
         return info
@@ -186,14 +245,27 @@ class Generation:
 
     # ------------------------------------------------------------------ rounds
 
-    async def _draft(self, tokens: list[int]) -> DraftBlock | None:
-        """Open a block: draft on the scheduler's worker once granted (None: depth 0)."""
-        g = 0 if self.target_only else min(self.depth, self.committer.remaining - 1)
-        if g <= 0:
+    def _plan(self, proactive: bool, after: int = 0) -> int:
+        """The controller's depth for the next block, clamped to the server's max block
+        and to the tokens left (``after``: tokens the in-flight block commits if fully
+        accepted). 0: nothing to draft."""
+        if self.target_only:
+            return 0
+        cap = min(self.max_block, self.committer.remaining - after - 1)
+        if cap <= 0:
+            return 0
+        L = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap))
+        return max(1, min(int(L), cap))
+
+    async def _draft(self, tokens: list[int], depth: int) -> DraftBlock | None:
+        """Open a block: draft on the scheduler's worker once granted. None: nothing to
+        draft (depth 0, or an n-gram drafter without a match: a plain target step)."""
+        if depth <= 0:
             return None
-        return await self.c.scheduler.draft(self, len(self.committer.token_ids),
-                                            self.drafter.propose, tokens, g, self.cfg,
-                                            self.gen)
+        block = await self.c.scheduler.draft(self, len(self.committer.token_ids),
+                                             self.drafter.propose, tokens, depth, self.cfg,
+                                             draft_generator(self.seed, self.round_idx))
+        return block if len(block) else None
 
     def _request(self, tokens: list[int], block: DraftBlock | None) -> wire.VerifyRequest:
         toks = np.array(block.tokens if block else [], dtype=np.int64)
@@ -225,18 +297,64 @@ class Generation:
 
     async def _round(self, tokens: list[int]) -> list[int]:
         """One verification round (one open block); returns the newly confirmed tokens."""
-        block = await self._draft(tokens)
+        kept, self._next = self._next, None
+        if kept is not None:            # proactive hit: continue the kept branch
+            branch, planned = kept
+            planned = min(planned, max(0, self.committer.remaining - 1), self.max_block)
+            have = len(branch.tokens)
+            block = await self.c.scheduler.draft(self, len(self.committer.token_ids),
+                                                 branch.finish, planned, self.cfg)
+            cut = max(0, have - len(block))           # trimmed to the length cap
+            self.m.proactive_wasted_tokens += cut
+            block = block if len(block) else None
+        else:
+            planned = self._plan(False)
+            block = await self._draft(tokens, planned)
         try:
-            return await self._verify_and_commit(tokens, block)
+            return await self._verify_and_commit(tokens, block, planned, kept is not None)
         finally:
             self.c.scheduler.close(self)      # committed or aborted: ready again
 
-    async def _verify_and_commit(self, tokens: list[int], block: DraftBlock | None):
+    async def _timed_send(self, tokens, block):
+        resp = await self._send(tokens, block)
+        return resp, time.perf_counter()
+
+    async def _speculate(self, tokens, block, verdict) -> ProactiveResult | None:
+        """IPDG/NPDG: draft the next block from the assumed prefix while ``verdict`` is
+        pending. Best effort: a failure drops the branch (the verdict is still used)."""
+        if self.c.proactive == "off" or self.target_only:
+            return None
+        g = len(block) if block else 0
+        plan = self._plan(True, after=g + 1)
+        if plan <= 0:
+            return None
+        b = self.c.proactive_roots
+        while len(self._forks) < b - 1:
+            self._forks.append(self.drafter.fork())
+        seed, nxt = self.seed, self.round_idx + 1
+        try:
+            return await run_proactive(
+                [self.drafter] + self._forks[:b - 1], self.c.scheduler.executor,
+                list(tokens) + (list(block.tokens) if block else []), plan, self.cfg,
+                lambda: draft_generator(seed, nxt), b, verdict,
+                interruptible=self.c.proactive == "ipdg")
+        except Exception:  # noqa: BLE001 - proactive drafting is an optimisation only
+            return None
+
+    async def _verify_and_commit(self, tokens: list[int], block: DraftBlock | None,
+                                 planned: int = 0, from_branch: bool = False):
         m = self.m
         g = len(block) if block else 0
         t0 = time.perf_counter()
-        resp = await self._send(tokens, block)
-        m.net_seconds += time.perf_counter() - t0 - resp.target_s
+        t_prev = self._t_verdict or m.t_start
+        send = asyncio.ensure_future(self._timed_send(tokens, block))
+        try:
+            pro = await self._speculate(tokens, block, send)
+        except BaseException:
+            send.cancel()
+            raise
+        resp, t_resp = await send
+        m.net_seconds += t_resp - t0 - resp.target_s
         a = resp.accepted
         new = list(block.tokens[:a]) if block else []
         self.pending, self.seq = None, self.seq + 1
@@ -263,7 +381,55 @@ class Generation:
         m.draft_seconds += block.draft_s if block else 0.0
         if resp.base_len != len(tokens) + len(new):  # pending correction included
             raise RuntimeError("edge and cloud disagree on the confirmed length")
+        wasted = g - a + self._settle(pro, a == g and resp.next_token is not None,
+                                      resp.next_token)
+        t_end = time.perf_counter()
+        self._t_verdict = t_end
+        rec = RoundRecord(depth=g, accepted=a, committed=len(new),
+                          bonus=a == g and resp.next_token is not None,
+                          planned_depth=planned,
+                          draft_s_per_token=block.draft_s / g if g else None,
+                          resp_s=t_resp - t0, round_s=t_end - t_prev,
+                          proactive=from_branch, wasted=wasted)
+        self.ctrl.update(rec)
+        m.depth_hist.append(planned)
+        m.round_trace.append({
+            "round": self.round_idx, "depth": g, "planned": planned, "accepted": a,
+            "proactive_block": from_branch, "t_send": t0 - m.t_start,
+            "t_response": t_resp - m.t_start,
+            "t_ready": None if pro is None else pro.t_ready - m.t_start,
+            "proactive_steps": None if pro is None else pro.steps,
+            "proactive_plan": None if pro is None else pro.plan,
+            "hit": None if pro is None else self._next is not None})
+        self.round_idx += 1
         return new
+
+    def _settle(self, pro: ProactiveResult | None, all_accepted: bool,
+                bonus: int | None) -> int:
+        """Reconcile the proactive phase with the verdict; returns discarded tokens.
+
+        Hit (every draft accepted and the bonus is a root): keep that branch for the next
+        round and make its drafter fork the request's drafter (the KV "remap" is an
+        ownership swap); miss: drop every branch (the next ``sync`` rolls the caches
+        back to the true prefix)."""
+        if pro is None:
+            return 0
+        m = self.m
+        m.proactive_rounds += 1
+        m.proactive_drafted_tokens += pro.drafted()
+        m.proactive_late_steps += pro.late_steps
+        kept, dropped = pro.settle(bonus if all_accepted else None)
+        m.proactive_wasted_tokens += dropped
+        if kept is not None and not self.committer.done:
+            m.proactive_hits += 1
+            if kept.drafter is not self.drafter:
+                i = self._forks.index(kept.drafter)
+                self._forks[i], self.drafter = self.drafter, kept.drafter
+            self._next = (kept, pro.plan)
+        elif kept is not None:
+            m.proactive_wasted_tokens += len(kept.tokens)
+            dropped += len(kept.tokens)
+        return dropped
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         c, m = self.c, self.m
@@ -283,10 +449,15 @@ class Generation:
                     m.committed_tokens += 1
                     m.first_token()
                     yield TokenEvent(t, text)
-                m.wasted_draft_tokens = m.drafted_tokens - m.accepted_tokens
+                m.wasted_draft_tokens = (m.drafted_tokens - m.accepted_tokens
+                                         + m.proactive_wasted_tokens)
+            if self._next is not None:        # a kept branch outlived the request
+                m.proactive_wasted_tokens += len(self._next[0].tokens)
+                m.wasted_draft_tokens += len(self._next[0].tokens)
+                self._next = None
         finally:
             m.finish()
-            c._return_drafter(self.drafter)
+            c._return_drafter(self._leased)
             try:
                 await self._call("DELETE", self.path)
             except Exception:  # noqa: BLE001 - cleanup is best effort; TTL evicts anyway

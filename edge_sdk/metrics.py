@@ -32,6 +32,14 @@ class RequestMetrics:
         default_factory=lambda: {"bounded": 0, "proposal": 0, "full": 0})
     tv_budget_spent: float = 0.0
     accepted_hist: list = field(default_factory=list)   # accepted drafts per round
+    # proactive drafting (IPDG/NPDG, SPEC §5) and depth control (SPEC §4)
+    proactive_rounds: int = 0       # rounds that started a proactive branch
+    proactive_hits: int = 0         # ... whose branch matched the verdict and was kept
+    proactive_drafted_tokens: int = 0   # tokens drafted proactively (all branches)
+    proactive_wasted_tokens: int = 0    # ... discarded (misses, pruned tree branches)
+    proactive_late_steps: int = 0   # expansion steps started after the verdict (NPDG)
+    depth_hist: list = field(default_factory=list)      # controller's planned depth per round
+    round_trace: list = field(default_factory=list)     # per-round timing dicts (seconds)
 
     def first_token(self) -> None:
         if self.t_first is None:
@@ -58,7 +66,8 @@ class RequestMetrics:
             "target_passes_per_token": self.rounds / n,
             "target_seconds_per_token": self.target_seconds / n,
             "wasted_draft_tokens": self.wasted_draft_tokens,
-            "proactive_hit_rate": 0.0,
+            "proactive_hit_rate": self.proactive_hits / self.proactive_rounds
+            if self.proactive_rounds else 0.0,
             "correction_mode_counts": dict(self.correction_mode_counts),
             "tv_budget_spent": self.tv_budget_spent,
             # raw counts, for aggregation
@@ -69,4 +78,9 @@ class RequestMetrics:
             "draft_seconds": self.draft_seconds, "net_seconds": self.net_seconds,
             "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "wall_s": wall, "accepted_hist": list(self.accepted_hist),
+            "proactive_rounds": self.proactive_rounds, "proactive_hits": self.proactive_hits,
+            "proactive_drafted_tokens": self.proactive_drafted_tokens,
+            "proactive_wasted_tokens": self.proactive_wasted_tokens,
+            "proactive_late_steps": self.proactive_late_steps,
+            "depth_hist": list(self.depth_hist), "round_trace": list(self.round_trace),
         }

@@ -1,0 +1,214 @@
+"""CAAC — congestion-aware adaptive controller (RAPID; SPEC §4).
+
+Chooses the next draft depth before each round from two paths:
+
+* **physical** (has the edge slowed down?): per-token draft latency of the last round
+  ``tau_cur`` feeds a fast EWMA ``tau_f`` and a slow baseline EWMA ``tau_s`` (both seeded
+  by the first measurement); the excess slowdown ratio ``ESR = max(0, tau_f/tau_s - 1)``
+  gives the gate ``eta = 1 / (1 + k_eta * ESR)`` in (0, 1].
+* **logical** (is a deeper draft useful?): the acceptance EWMA ``A`` (accepted / drafted
+  per round) drives a PID on ``e = A - A_target`` that proposes a continuous depth
+  ``B_hat`` (more acceptance -> deeper), with anti-windup keeping ``B_hat in [1, L_max]``.
+
+Fusion: ``L = clamp(round(eta * B_hat), 1, L_max)``; when drafting proactively (IPDG),
+``L <= max(1, floor(T_resp / tau_f))`` so the proactive draft does not outlast the
+expected response (``T_resp``: EWMA of send->response seconds).
+
+**Model-based check** (SPEC §4, "beside it"): with the per-token acceptance ``alpha``
+estimated from the block outcomes and the round model of
+:mod:`edge_sdk.control.analytic`, the depths whose predicted rate
+``E[C_L] / (L tau_s + T_resp(L))`` is within ``model_tol`` of the best form a band; the
+PID proposal is projected onto that band before the gate (``B = clip(B_hat, band)``).
+It keeps CAAC's choice whenever the model calls it near-optimal and otherwise pulls it
+to the nearest near-optimal depth — the PID alone targets an acceptance level and
+ignores how expensive a round trip is. The model uses the *baseline* ``tau_s`` so a
+transient slowdown is handled by the gate alone (not counted twice).
+
+RAPID's constants are not public; defaults below are SPEC §4's starting points.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from edge_sdk.control import analytic
+from edge_sdk.control.base import L_MAX, DepthController, PlanContext, RoundRecord
+
+
+@dataclass
+class CAACParams:
+    """CAAC constants (EWMA weights are the weight of the *new* sample, per round).
+
+    l_max: 8 tokens (SPEC §4). l_init: 4 tokens, ``B_hat`` and the PID's bias before any
+        feedback (the SDK's default fixed depth).
+    w_fast = 0.5: fast latency EWMA, reacts within ~2 rounds. w_slow = 0.05: baseline,
+        ~20-round memory, so a step slowdown shows as ESR > 0 for ~tens of rounds and the
+        baseline then re-adapts to the new normal.
+    k_eta = 2: ``eta = 1/(1 + 2 ESR)``; a 2x slowdown step gives ESR ~0.43 after one
+        round (eta ~0.54), i.e. about half the depth.
+    w_acc = 0.3: acceptance EWMA (a block's accepted/drafted ratio is noisy).
+    a_target = 0.6: acceptance set point. With i.i.d. acceptance alpha the per-block
+        ratio falls with depth, so the loop settles where ratio(L) = 0.6: L~4 for
+        alpha=0.8, L=8 for alpha>=0.9, L=1 for alpha<=0.6.
+    kp = 4, ki = 0.5, kd = 1: tokens of depth per unit of acceptance error (P), per
+        round-unit of accumulated error (I), per unit of error change (D). Full
+        acceptance (e = +0.4) adds 1.6 tokens at once and ~0.2 per round after.
+    w_resp = 0.3: EWMA of send->response seconds (``T_resp``), for the proactive cap.
+    model_check = True, model_tol = 0.1 (keep depths within 10 % of the model's best
+        rate), model_warmup = 3 rounds before the model is trusted, w_alpha = 0.1
+        (discount of the alpha estimate's success/trial counts per round: ~10-round
+        memory, ~40 trials at L~4; also the forgetting of the T_resp(L) fit).
+    """
+
+    l_max: int = L_MAX
+    l_init: float = 4.0
+    w_fast: float = 0.5
+    w_slow: float = 0.05
+    k_eta: float = 2.0
+    w_acc: float = 0.3
+    a_target: float = 0.6
+    kp: float = 4.0
+    ki: float = 0.5
+    kd: float = 1.0
+    w_resp: float = 0.3
+    model_check: bool = True
+    model_tol: float = 0.1
+    model_warmup: int = 3
+    w_alpha: float = 0.1
+
+
+class CAAC(DepthController):
+    """RAPID's congestion-aware adaptive controller (see module docstring).
+
+    Keyword arguments override :class:`CAACParams` fields (e.g. ``CAAC(a_target=0.7)``).
+    """
+
+    name = "caac"
+
+    def __init__(self, params: CAACParams | None = None, **kw):
+        p = params or CAACParams()
+        if kw:
+            p = CAACParams(**{**asdict(p), **kw})
+        super().__init__(p.l_max)
+        self.p = p
+        self.tau_f: float | None = None     # fast EWMA of per-token draft latency (s)
+        self.tau_s: float | None = None     # slow baseline EWMA (s)
+        self.t_resp: float | None = None    # EWMA of send->response time (s)
+        self.A = p.a_target                 # acceptance EWMA, neutral start (e = 0)
+        self.integral = 0.0
+        self.e_prev: float | None = None
+        self.B_hat = float(min(max(p.l_init, 1.0), p.l_max))
+        self.rounds = 0
+        # discounted alpha estimate and T_resp(L) regression
+        self._succ = self._trials = 0.0
+        self._n = self._sl = self._st = self._sll = self._slt = 0.0
+        self.last: dict = {}
+
+    # ------------------------------------------------------------------ physical path
+
+    @property
+    def esr(self) -> float:
+        """Excess slowdown ratio ``max(0, tau_f / tau_s - 1)``."""
+        if not self.tau_f or not self.tau_s:
+            return 0.0
+        return max(0.0, self.tau_f / self.tau_s - 1.0)
+
+    @property
+    def eta(self) -> float:
+        """Slowdown gate in (0, 1]."""
+        return 1.0 / (1.0 + self.p.k_eta * self.esr)
+
+    # ------------------------------------------------------------------ model check
+
+    @property
+    def alpha(self) -> float | None:
+        """Per-token acceptance estimate (discounted successes / trials), or None."""
+        return None if self._trials <= 0 else min(self._succ / self._trials, 0.999)
+
+    def resp_model(self, L: int) -> float:
+        """Predicted send->response seconds for a block of depth L: EWMA plus a
+        non-negative slope fitted by discounted least squares on (L, resp_s)."""
+        base = self.t_resp or 0.0
+        if self._n <= 0:
+            return base
+        ml, mt = self._sl / self._n, self._st / self._n
+        var = self._sll / self._n - ml * ml
+        slope = max(0.0, (self._slt / self._n - ml * mt) / var) if var > 0.25 else 0.0
+        return max(0.0, base + slope * (L - ml))
+
+    def model_band(self) -> tuple[int, int] | None:
+        """Near-optimal depth interval of the round model, or None while not warmed up."""
+        p = self.p
+        if (not p.model_check or self.rounds < p.model_warmup or self.alpha is None
+                or not self.tau_s or self.t_resp is None):
+            return None
+        return analytic.near_optimal_band(self.alpha, self.tau_s, self.resp_model,
+                                          self.l_max, p.model_tol)
+
+    # ------------------------------------------------------------------ policy
+
+    def next_depth(self, stats: PlanContext | None = None) -> int:
+        stats = stats or PlanContext()
+        B = self.B_hat
+        band = self.model_band()
+        if band is not None:
+            B = min(max(B, band[0]), band[1])
+        L = self.clamp(round(self.eta * B))
+        cap = None
+        if stats.proactive and self.tau_f and (stats.delay_s or self.t_resp):
+            t_resp = stats.delay_s if stats.delay_s is not None else self.t_resp
+            cap = max(1, math.floor(t_resp / self.tau_f))
+            L = min(L, cap)
+        self.last = {"L": L, "B_hat": self.B_hat, "B": B, "eta": self.eta, "esr": self.esr,
+                     "A": self.A, "band": band, "cap": cap}
+        return L
+
+    def update(self, rnd: RoundRecord) -> None:
+        p = self.p
+        if rnd.draft_s_per_token is not None and rnd.draft_s_per_token > 0:
+            tau = float(rnd.draft_s_per_token)
+            if self.tau_f is None:
+                self.tau_f = self.tau_s = tau          # seeded by the first measurement
+            else:
+                self.tau_f += p.w_fast * (tau - self.tau_f)
+                self.tau_s += p.w_slow * (tau - self.tau_s)
+        if rnd.resp_s is not None and rnd.resp_s >= 0:
+            r = float(rnd.resp_s)
+            self.t_resp = r if self.t_resp is None else self.t_resp + p.w_resp * (r - self.t_resp)
+            lam = 1.0 - p.w_alpha
+            L = float(rnd.depth)
+            self._n, self._sl, self._st = lam * self._n + 1, lam * self._sl + L, lam * self._st + r
+            self._sll, self._slt = lam * self._sll + L * L, lam * self._slt + L * r
+        if rnd.depth <= 0:
+            return                              # plain target step: no acceptance signal
+        self.rounds += 1
+        a, g = int(rnd.accepted), int(rnd.depth)
+        lam = 1.0 - p.w_alpha
+        self._succ = lam * self._succ + a
+        self._trials = lam * self._trials + a + (1 if a < g else 0)
+        self.A += p.w_acc * (a / g - self.A)
+        self._pid(self.A - p.a_target)
+
+    def _pid(self, e: float) -> None:
+        """Positional PID ``B = l_init + kp e + ki I + kd de`` with back-calculation
+        anti-windup: when B would leave [1, L_max] the integral is reset so that B sits
+        exactly on the bound (no wind-up, immediate recovery when e changes sign)."""
+        p = self.p
+        de = 0.0 if self.e_prev is None else e - self.e_prev
+        self.e_prev = e
+        integral = self.integral + e
+        u = p.l_init + p.kp * e + p.ki * integral + p.kd * de
+        lo, hi = 1.0, float(self.l_max)
+        if u > hi or u < lo:
+            bound = hi if u > hi else lo
+            if p.ki > 0:
+                integral = (bound - p.l_init - p.kp * e - p.kd * de) / p.ki
+            u = bound
+        self.integral = integral
+        self.B_hat = u
+
+    def state(self) -> dict:
+        return {"L": self.last.get("L"), "B_hat": self.B_hat, "eta": self.eta, "esr": self.esr,
+                "A": self.A, "tau_f": self.tau_f, "tau_s": self.tau_s, "t_resp": self.t_resp,
+                "alpha": self.alpha, "band": self.model_band()}

@@ -1,0 +1,23 @@
+"""Fixed draft depth: the classic speculative-decoding baseline (SPEC §4 "fixed depths")."""
+
+from __future__ import annotations
+
+from edge_sdk.control.base import L_MAX, DepthController, PlanContext
+
+
+class FixedDepth(DepthController):
+    """Always drafts ``depth`` tokens (clamped to ``1..l_max``)."""
+
+    name = "fixed"
+
+    def __init__(self, depth: int = 4, l_max: int = L_MAX):
+        super().__init__(l_max)
+        if int(depth) < 1:
+            raise ValueError("depth must be >= 1")
+        self.depth = self.clamp(int(depth))
+
+    def next_depth(self, stats: PlanContext | None = None) -> int:
+        return self.depth
+
+    def state(self) -> dict:
+        return {"L": self.depth}

@@ -1,0 +1,195 @@
+"""IPDG / NPDG — proactive draft generation while a block is being verified (RAPID;
+SPEC §5).
+
+While block ``D_i`` is in flight the edge drafts ``D_{i+1}`` from the *assumed* prefix
+(``D_i`` fully accepted + a guessed bonus token). The guess is the draft's top-b tokens
+after the last draft (b = 1: a chain; b > 1: a small tree with b roots).
+
+IPDG (interruptible), per RAPID's boundary protocol:
+
+1. *Save the boundary*: the confirmed prefix (``tokens``) and the in-flight block are
+   the boundary; the draft caches only ever grow past it, and ``Drafter.sync`` rolls a
+   cache back to the longest common prefix with any later context.
+2. *Expand once*: one complete expansion step = one draft token on every live branch
+   (:meth:`Branch.expand`, run on the draft worker thread, off the event loop).
+3. *Check feedback* (non-blocking) after every step: once the verdict is in, start no
+   further step.
+4. *Reconcile*: a **hit** (all of ``D_i`` accepted and the bonus equals a root) keeps
+   that branch, drops the others and continues it to the planned depth; a **miss**
+   drops every branch and the next block is drafted from the true prefix (the next
+   ``sync`` truncates the KV cache back to the common prefix).
+
+Tree KV choice: each root gets its own drafter fork (``Drafter.fork``: shared weights,
+own KV cache), so branch k extends its own cache without disturbing the others. On a
+hit the kept branch's fork simply becomes the request's drafter (the "remap" is an
+ownership swap, zero copy); the other forks are not copied or remapped: their next
+``sync`` rolls them back by longest common prefix and re-runs what is missing in one
+batched forward. Drafters that cannot fork share one cache; branches then re-run their
+tokens on every switch (correct, slower).
+
+NPDG (non-interruptible baseline): runs to the planned depth whatever the feedback,
+then keeps (hit) or discards (miss).
+
+Exactness: every branch samples through ``Drafter.propose`` (the shared processors)
+with the generator of the round it would be drafted in (:func:`draft_generator`), so
+on a hit its tokens are exactly those a stop-and-wait client would have drafted from the
+same (true) prefix with the same seed; on a miss its draws are discarded, and fresh,
+independent ones are used. The verifier and its acceptance rule never change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from edge_sdk.drafters.base import DraftBlock, Drafter
+from edge_sdk.protocol.sampling import SamplingConfig, process_logits
+
+MODES = ("off", "ipdg", "npdg")
+_MASK = (1 << 64) - 1
+
+
+def draft_generator(seed: int, round_idx: int) -> torch.Generator:
+    """The draft RNG of a request's round ``round_idx`` (SplitMix64 of seed and round).
+
+    A round's draft randomness depends only on (seed, round), never on how many draws
+    an earlier proactive branch consumed, so runs replay and IPDG hits draft the very
+    tokens stop-and-wait would."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + (int(round_idx) + 1) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return torch.Generator().manual_seed((z ^ (z >> 31)) & ((1 << 63) - 1))
+
+
+def guess_roots(drafter: Drafter, assumed: Sequence[int], cfg: SamplingConfig,
+                b: int) -> list[int]:
+    """The draft's top-``b`` guesses for the token after ``assumed`` (one draft forward;
+    processed logits, ties to the lower id). Empty when the drafter has no proposal
+    (n-gram lookup without a match)."""
+    logits = drafter.sync(list(assumed))
+    if not getattr(drafter, "matched", True):
+        return []
+    seen = None
+    if cfg.repetition_penalty != 1.0:
+        seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        seen[torch.tensor(list(assumed), dtype=torch.long)] = True
+    x = process_logits(logits, cfg, seen)
+    order = torch.argsort(-x, stable=True)[:b]
+    return [int(t) for t in order if torch.isfinite(x[t])]
+
+
+@dataclass
+class Branch:
+    """One proactive branch: ``root`` then drafted tokens, with their q (SPEC §1 wire
+    values) and the round generator it samples from."""
+
+    drafter: Drafter
+    prefix: list[int]            # assumed prefix, root included
+    gen: torch.Generator
+    root: int
+    tokens: list[int] = field(default_factory=list)
+    q_tok: list[float] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)
+    draft_s: float = 0.0         # seconds of expansion steps that built it
+    dead: bool = False           # no further proposal (n-gram without a match)
+
+    def _take(self, blk: DraftBlock) -> None:
+        self.tokens += blk.tokens
+        self.q_tok += [float(x) for x in blk.q_tok]
+        if blk.q is not None:
+            self.q_rows += list(blk.q)
+        if len(blk) == 0:
+            self.dead = True
+
+    def expand(self, cfg: SamplingConfig) -> None:
+        """Draft one more token (one draft forward)."""
+        if not self.dead:
+            self._take(self.drafter.propose(self.prefix + self.tokens, 1, cfg, self.gen))
+
+    def finish(self, depth: int, cfg: SamplingConfig) -> DraftBlock:
+        """Continue to ``depth`` tokens (one ``propose`` call: same draws as drafting
+        them in one go) and return the block."""
+        t0 = time.perf_counter()
+        if len(self.tokens) > depth:
+            del self.tokens[depth:], self.q_tok[depth:], self.q_rows[depth:]
+        elif len(self.tokens) < depth and not self.dead:
+            self._take(self.drafter.propose(self.prefix + self.tokens,
+                                            depth - len(self.tokens), cfg, self.gen))
+        self.draft_s += time.perf_counter() - t0
+        q = torch.stack(self.q_rows) if (self.q_rows and not cfg.greedy) else (
+            None if cfg.greedy else torch.zeros(0, self.drafter.vocab_size,
+                                                dtype=torch.float64))
+        return DraftBlock(list(self.tokens), torch.tensor(self.q_tok, dtype=torch.float64),
+                          q, self.draft_s)
+
+
+@dataclass
+class ProactiveResult:
+    """Outcome of one proactive phase (per round; see ``RequestMetrics.round_trace``)."""
+
+    branches: list[Branch]
+    plan: int                    # planned depth of the next block
+    steps: int = 0               # complete expansion steps run
+    late_steps: int = 0          # steps started after the verdict had arrived (NPDG)
+    t_ready: float | None = None     # perf_counter when expansion stopped
+    step_s: float = 0.0          # seconds in expansion steps (roots forward included)
+
+    @property
+    def roots(self) -> list[int]:
+        return [b.root for b in self.branches]
+
+    def drafted(self) -> int:
+        return sum(len(b.tokens) for b in self.branches)
+
+    def settle(self, hit_root: int | None) -> tuple[Branch | None, int]:
+        """Keep the branch whose root is ``hit_root`` (None: a miss). Returns
+        ``(kept branch or None, discarded draft tokens)``."""
+        kept = next((b for b in self.branches if b.root == hit_root), None)
+        return kept, self.drafted() - (len(kept.tokens) if kept else 0)
+
+
+async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int],
+                        plan: int, cfg: SamplingConfig, gen_factory, b: int,
+                        verdict: asyncio.Future, interruptible: bool) -> ProactiveResult | None:
+    """Draft the next block from ``assumed`` while ``verdict`` is pending.
+
+    Args:
+        drafters: one drafter per root (forks; ``drafters[0]`` guesses the roots).
+        executor: the draft worker (forwards run there, off the event loop).
+        plan: planned depth (tokens) of the next block.
+        gen_factory: ``() -> torch.Generator`` for the next round's draws (one per branch).
+        b: number of roots (1: chain). verdict: the in-flight block's response task.
+        interruptible: IPDG (stop at the first check after the verdict) or NPDG.
+    Returns None when no branch could be started.
+    """
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    roots = await loop.run_in_executor(executor, guess_roots, drafters[0], assumed, cfg, b)
+    if not roots:
+        return None
+    res = ProactiveResult([Branch(drafters[i % len(drafters)], list(assumed) + [r],
+                                  gen_factory(), r) for i, r in enumerate(roots)], plan)
+
+    def step() -> float:
+        s0 = time.perf_counter()
+        for br in res.branches:
+            br.expand(cfg)
+        dt = time.perf_counter() - s0
+        for br in res.branches:
+            br.draft_s += dt
+        return dt
+
+    while res.steps < plan and not all(br.dead for br in res.branches):
+        if verdict.done():
+            if interruptible:
+                break                    # mismatch or not: the gate closes; reconcile
+            res.late_steps += 1
+        await loop.run_in_executor(executor, step)
+        res.steps += 1
+    res.t_ready = time.perf_counter()
+    res.step_s = res.t_ready - t0
+    return res

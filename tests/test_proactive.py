@@ -1,0 +1,261 @@
+"""IPDG / NPDG (SPEC §5) and depth controllers inside the edge client.
+
+* greedy identity with every controller, with IPDG/NPDG on (chains and trees) and with
+  the n-gram drafter;
+* IPDG stops at the first expansion step after the verdict, NPDG runs to the plan;
+* sampling: IPDG output equals stop-and-wait output seed by seed (on a hit the branch
+  drew exactly the tokens a fresh draft from the true prefix would), and the first-3-token
+  distribution with IPDG on equals the target's (in-process, chi-square).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_api.app import CloudService
+from cloud_api.inprocess import InProcessTransport
+from edge_sdk import EdgeClient, SamplingConfig
+from edge_sdk.control import CAAC, CONTROLLERS, FixedDepth
+from edge_sdk.drafters.ngram import NgramDrafter
+from edge_sdk.drafters.torch import TorchDrafter
+from edge_sdk.proactive import draft_generator
+from tests.conftest import tiny_model, tiny_tokenizer
+
+PROMPT = [5, 9, 11]
+
+
+class SlowTransport(InProcessTransport):
+    """Verify answers arrive ``delay_s`` after the request (a network round trip)."""
+
+    def __init__(self, svc, delay_s: float):
+        super().__init__(svc)
+        self.delay_s = delay_s
+
+    async def request(self, method, path, body=b"", content_type=""):
+        if path.endswith("/verify"):
+            await asyncio.sleep(self.delay_s)
+        return await super().request(method, path, body)
+
+
+class SlowDrafter(TorchDrafter):
+    """A torch drafter whose every forward takes at least ``step_s`` seconds."""
+
+    def __init__(self, model, step_s: float):
+        super().__init__(model)
+        self.step_s = step_s
+
+    def _slow(self, x):
+        time.sleep(self.step_s)
+        return x
+
+    def sync(self, context):
+        return self._slow(super().sync(context))
+
+    def step(self, token):
+        return self._slow(super().step(token))
+
+    def fork(self):
+        return SlowDrafter(self.kv.model, self.step_s)
+
+
+@pytest.fixture(scope="module")
+def close_draft(target):
+    return tiny_model(seed=1, like=target, noise=0.01)
+
+
+@pytest.fixture(scope="module")
+def svc(target, tok):
+    """A factory: a CloudService's verify queue binds to the event loop it first runs
+    in, so every ``asyncio.run`` gets its own service (sharing the target model)."""
+    return lambda: CloudService(target, tok)
+
+
+@pytest.fixture(scope="module")
+def reference(svc, tok):
+    return generate(svc, None, tok, delay_s=0.0).token_ids
+
+
+def generate(svc, drafter, tok, delay_s=0.002, n=40, prompt=PROMPT, **kw):
+    gen_kw = {k: kw.pop(k) for k in ("sampling", "seed") if k in kw}
+
+    async def main():
+        async with EdgeClient("inproc://", drafter, tok, chat=False,
+                              transport=SlowTransport(svc(), delay_s), **kw) as c:
+            return await c.generate(prompt_ids=prompt, max_new_tokens=n, **gen_kw)
+    return asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- greedy
+
+@pytest.mark.parametrize("proactive", ["off", "ipdg", "npdg"])
+@pytest.mark.parametrize("controller", sorted(CONTROLLERS))
+def test_greedy_identity_every_controller(svc, tok, close_draft, reference, controller,
+                                          proactive):
+    out = generate(svc, TorchDrafter(close_draft), tok, controller=controller,
+                   proactive=proactive)
+    assert out.token_ids == reference
+    m = out.metrics
+    assert m["drafted_tokens"] > 0 and all(0 <= d <= 8 for d in m["depth_hist"])  # 0: cap
+    if proactive != "off":
+        assert m["proactive_rounds"] > 0 and m["proactive_hits"] > 0
+        assert 0 < m["proactive_hit_rate"] <= 1
+        assert m["wasted_draft_tokens"] == (m["drafted_tokens"] - m["accepted_tokens"]
+                                            + m["proactive_wasted_tokens"])
+        assert any(r["proactive_block"] for r in m["round_trace"])
+
+
+@pytest.mark.parametrize("roots", [2, 3])
+@pytest.mark.parametrize("proactive", ["ipdg", "npdg"])
+def test_greedy_identity_trees(svc, tok, draft, reference, roots, proactive):
+    """Top-b roots (a tree of b branches on drafter forks), with a draft that misses
+    often enough for non-first roots to hit."""
+    out = generate(svc, TorchDrafter(draft), tok, controller="caac", proactive=proactive,
+                   proactive_roots=roots, delay_s=0.005)
+    assert out.token_ids == reference
+    assert out.metrics["proactive_rounds"] > 0
+
+
+@pytest.mark.parametrize("proactive", ["off", "ipdg"])
+def test_greedy_identity_ngram(svc, tok, target, draft, proactive):
+    rep = [5, 9, 11, 5, 9, 11, 5, 9]
+    expect = generate(svc, None, tok, delay_s=0.0, n=30, prompt=rep).token_ids
+    for drafter in (NgramDrafter(64), NgramDrafter(base=TorchDrafter(draft))):
+        out = generate(svc, drafter, tok, n=30, prompt=rep, controller="heuristic",
+                       proactive=proactive)
+        assert out.token_ids == expect and out.metrics["drafted_tokens"] > 0
+
+
+def test_shared_controller_object_and_factory(svc, tok, close_draft, reference):
+    shared = CAAC()
+    out = generate(svc, TorchDrafter(close_draft), tok, controller=shared, proactive="ipdg")
+    assert out.token_ids == reference and shared.rounds > 0 and shared.tau_f > 0
+    out = generate(svc, TorchDrafter(close_draft), tok, controller=lambda: FixedDepth(2))
+    assert out.token_ids == reference and set(out.metrics["depth_hist"]) <= {1, 2}
+    with pytest.raises(ValueError):
+        EdgeClient("inproc://", None, tok, controller="nope")
+    with pytest.raises(ValueError):
+        EdgeClient("inproc://", None, tok, proactive="maybe")
+
+
+# ----------------------------------------------------------------------------- mechanism
+
+def test_ipdg_stops_after_verdict_npdg_runs_to_plan(tok, target, close_draft):
+    """Draft forwards take 20 ms, the verdict 30 ms: IPDG checks after each complete
+    step and starts none after the verdict; NPDG runs all planned steps."""
+    res = {}
+    for mode in ("ipdg", "npdg"):
+        out = generate(lambda: CloudService(target, tok), SlowDrafter(close_draft, 0.02),
+                       tok, delay_s=0.03, n=24,
+                       depth=8, proactive=mode)
+        res[mode] = out.metrics
+    ipdg = [r for r in res["ipdg"]["round_trace"] if r["proactive_steps"] is not None]
+    npdg = [r for r in res["npdg"]["round_trace"] if r["proactive_steps"] is not None]
+    assert ipdg and npdg
+    assert res["ipdg"]["proactive_late_steps"] == 0
+    assert res["npdg"]["proactive_late_steps"] > 0
+    assert max(r["proactive_steps"] for r in ipdg) <= 3
+    assert all(r["proactive_steps"] == r["proactive_plan"] for r in npdg)
+    assert any(r["proactive_steps"] < r["proactive_plan"] for r in ipdg)
+    assert max(r["proactive_steps"] for r in npdg) >= 6
+    # IPDG is ready soon after the verdict; NPDG only after finishing its plan
+    lag = lambda rs: np.mean([r["t_ready"] - r["t_response"] for r in rs])  # noqa: E731
+    assert lag(ipdg) < lag(npdg)
+
+
+def test_draft_generator_is_per_round():
+    a = torch.rand(3, generator=draft_generator(7, 2))
+    assert torch.equal(a, torch.rand(3, generator=draft_generator(7, 2)))
+    assert not torch.equal(a, torch.rand(3, generator=draft_generator(7, 3)))
+    assert not torch.equal(a, torch.rand(3, generator=draft_generator(8, 2)))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def test_ipdg_sampling_equals_stop_and_wait_seed_by_seed(svc, tok, close_draft):
+    """Same seed, same fixed depth: IPDG (chain and tree) commits exactly the tokens
+    stop-and-wait commits — the proactive branch drew what a fresh draft would have."""
+    cfg = SamplingConfig(temperature=0.9)
+    hits = 0
+    for seed in range(4):
+        base = generate(svc, TorchDrafter(close_draft), tok, n=16, depth=2, sampling=cfg,
+                        seed=seed)
+        for roots in (1, 2):
+            out = generate(svc, TorchDrafter(close_draft), tok, n=16, depth=2, sampling=cfg,
+                           seed=seed, proactive="ipdg", proactive_roots=roots)
+            assert out.token_ids == base.token_ids
+            hits += out.metrics["proactive_hits"]
+    assert hits > 0
+
+
+V3 = 8
+PROMPT3 = [3, 5, 7]
+
+
+def exact_triples(model, cfg) -> np.ndarray:
+    from edge_sdk.protocol import sampling as S
+    with torch.inference_mode():
+        l1 = model(torch.tensor([PROMPT3])).logits[0, -1]
+        l2 = model(torch.tensor([PROMPT3 + [a] for a in range(V3)])).logits[:, -1]
+        l3 = model(torch.tensor([PROMPT3 + [a, b] for a in range(V3)
+                                 for b in range(V3)])).logits[:, -1]
+    p1, p2, p3 = (S.probs_from_logits(x, cfg) for x in (l1, l2, l3))
+    return (p1[:, None, None] * p2.reshape(V3, V3, 1) * p3.reshape(V3, V3, V3)).reshape(-1)
+
+
+def ipdg_counts(n: int, cfg: SamplingConfig, roots: int):
+    """First-3-token counts of ``n`` IPDG generations (depth 1, 4 tokens: the second
+    block is drafted proactively while the first one's verdict is awaited), the exact
+    target distribution, and the number of proactive hits."""
+    tk = tiny_tokenizer(V3)
+    tgt = tiny_model(vocab=V3, seed=0)
+    tgt.generation_config.eos_token_id = None
+    dft = tiny_model(vocab=V3, seed=1, like=tgt, noise=0.005)
+    exact = exact_triples(tgt, cfg).numpy()
+
+    async def main():
+        svc = CloudService(tgt, tk)
+        svc.eos = []
+        counts, hits, rounds, stepped = np.zeros(V3 ** 3), 0, 0, 0
+        async with EdgeClient("inproc://", TorchDrafter(dft), tk, chat=False, depth=1,
+                              support_k=V3, proactive="ipdg", proactive_roots=roots,
+                              transport=SlowTransport(svc, 0.0)) as c:
+            for seed in range(n):
+                r = await c.generate(prompt_ids=PROMPT3, sampling=cfg, seed=seed,
+                                     max_new_tokens=4)
+                a, b, d = r.token_ids[:3]
+                counts[(a * V3 + b) * V3 + d] += 1
+                hits += r.metrics["proactive_hits"]
+                rounds += r.metrics["proactive_rounds"]
+                stepped += any(t["proactive_steps"] for t in r.metrics["round_trace"]
+                               if t["proactive_steps"] is not None)
+        return counts, hits, rounds, stepped
+
+    counts, hits, rounds, stepped = asyncio.run(main())
+    assert rounds >= n and hits > 0.1 * n and stepped > 0
+    return counts, exact
+
+
+def test_ipdg_distribution_in_process():
+    """2,000 IPDG generations: the first-3-token distribution equals the target's
+    (chi-square p > 0.01). The seed-by-seed test above shows IPDG output is exactly
+    stop-and-wait output; 10,000-draw versions (chain and tree) are marked slow."""
+    from tests.test_e2e_distribution import pvalue
+
+    counts, exact = ipdg_counts(2000, SamplingConfig(temperature=1.0), 1)
+    assert pvalue(counts, exact) > 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg,roots", [(SamplingConfig(temperature=1.0), 1),
+                                       (SamplingConfig(temperature=0.8, top_k=4), 2)],
+                         ids=["t1.0-chain", "topk4-tree2"])
+def test_ipdg_distribution_in_process_10k(cfg, roots):
+    from tests.test_e2e_distribution import pvalue
+
+    counts, exact = ipdg_counts(10_000, cfg, roots)
+    assert pvalue(counts, exact) > 0.01
