@@ -79,6 +79,7 @@ class RequestMetrics:
             "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "wall_s": wall, "accepted_hist": list(self.accepted_hist),
             "proactive_rounds": self.proactive_rounds, "proactive_hits": self.proactive_hits,
+            "proactive_attempts": self.proactive_rounds,     # bench report's raw-count name
             "proactive_drafted_tokens": self.proactive_drafted_tokens,
             "proactive_wasted_tokens": self.proactive_wasted_tokens,
             "proactive_late_steps": self.proactive_late_steps,

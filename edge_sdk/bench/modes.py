@@ -437,3 +437,85 @@ class CloudStreamClient:
              "http_exchanges": len(calls) + 1}
         return {"token_ids": list(committer.token_ids), "text": committer.text,
                 "finish_reason": finish, "metrics": m}
+
+
+# --------------------------------------------------------------------------- adaptive (issue #5)
+
+
+class _AdaptiveMode(_SpeculativeMode):
+    """The compact protocol with a depth controller (SPEC §4, §6) and/or proactive
+    drafting (SPEC §5). ``client_kw`` are :class:`edge_sdk.EdgeClient` options;
+    ``ctx.options["client"]`` overrides them. One controller object serves every request
+    of the run (requests run one after another), so learning controllers (UCB-SpecStop)
+    keep what they learned; ``ngram``: the n-gram drafter fronts the model drafter."""
+
+    client_kw: ClassVar[dict] = {}
+    ngram: ClassVar[bool] = False
+
+    async def open(self) -> None:
+        from edge_sdk.client import EdgeClient
+        from edge_sdk.control import make_controller
+
+        c = self.ctx
+        kw = {**self.client_kw, **c.options.get("client", {})}
+        if isinstance(kw.get("controller"), str) and kw["controller"] != "fixed":
+            kw["controller"] = make_controller(kw["controller"],
+                                               **kw.pop("controller_kw", {}) or {})
+        drafter = c.drafter
+        if self.ngram and drafter is not None:
+            from edge_sdk.drafters.ngram import NgramDrafter
+
+            drafter = NgramDrafter(base=drafter)
+        self.transport = RecordingTransport(c.base_url, signer=c.signer)
+        self.client = EdgeClient(c.base_url, drafter, c.tokenizer, depth=c.depth,
+                                 mode="asym", signer=c.signer, chat=False,
+                                 transport=self.transport, **kw)
+
+
+@register_mode
+class HeuristicMode(_AdaptiveMode):
+    name = "sr-heuristic"
+    description = "specrelay, transformers' heuristic depth (+2 full accept, -1 else)"
+    client_kw = {"controller": "heuristic"}
+
+
+@register_mode
+class CAACMode(_AdaptiveMode):
+    name = "sr-caac"
+    description = "specrelay, CAAC depth controller (RAPID), stop-and-wait"
+    client_kw = {"controller": "caac"}
+
+
+@register_mode
+class UCBSpecStopMode(_AdaptiveMode):
+    name = "sr-ucb"
+    description = "specrelay, UCB-SpecStop depth bandit (delay-bucket context)"
+    client_kw = {"controller": "ucb-specstop"}
+
+
+@register_mode
+class RapidMode(_AdaptiveMode):
+    name = "rapid"
+    description = "specrelay, CAAC + IPDG (interruptible proactive drafting)"
+    client_kw = {"controller": "caac", "proactive": "ipdg"}
+
+
+@register_mode
+class NPDGMode(_AdaptiveMode):
+    name = "rapid-npdg"
+    description = "specrelay, CAAC + NPDG (non-interruptible proactive baseline)"
+    client_kw = {"controller": "caac", "proactive": "npdg"}
+
+
+@register_mode
+class IPDGFixedMode(_AdaptiveMode):
+    name = "sr-ipdg"
+    description = "specrelay, fixed depth + IPDG (proactive drafting alone)"
+    client_kw = {"proactive": "ipdg"}
+
+
+@register_mode
+class NgramMode(_AdaptiveMode):
+    name = "sr-ngram"
+    description = "specrelay, prompt-lookup n-gram drafts, model where no match"
+    ngram = True
