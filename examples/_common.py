@@ -1,0 +1,65 @@
+"""Helpers shared by the examples: connect to a running ``specrelay serve`` or start a
+signed verification server in this process (like ``specrelay demo``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@dataclass
+class Backend:
+    """Where the cloud is and how to sign for it."""
+
+    url: str
+    signer: object | None
+    api_key: str | None = None
+
+
+@contextlib.contextmanager
+def local_server(target, tokenizer) -> Iterator[Backend]:
+    """A signed verification API for ``target`` on a loopback port, with an ephemeral
+    in-memory API key (what ``specrelay demo`` does)."""
+    from cloud_api.app import create_app
+    from cloud_api.keys import SQLiteKeyStore
+    from cloud_api.server import BackgroundServer
+    from edge_sdk.protocol.signing import Signer
+
+    store = SQLiteKeyStore(":memory:")
+    _, raw_key = store.create("example-ephemeral", scopes=("verify",), rpm=100_000,
+                              tpm=10_000_000)
+    with BackgroundServer(create_app(target, tokenizer, key_store=store)) as srv:
+        yield Backend(srv.url, Signer.from_api_key(raw_key), raw_key)
+
+
+@contextlib.contextmanager
+def backend(url: str | None, api_key: str | None, target: str, tokenizer,
+            log=print) -> Iterator[Backend]:
+    """``url`` given: that server (signed with ``api_key`` when given). Else load
+    ``target`` and serve it in-process."""
+    if url:
+        from edge_sdk.protocol.signing import Signer
+
+        yield Backend(url, Signer.from_api_key(api_key) if api_key else None, api_key)
+        return
+    from edge_sdk.models import load_model
+
+    log(f"loading target {target} (in-process signed server) ...")
+    tmodel, _ = load_model(target)
+    with local_server(tmodel, tokenizer) as b:
+        yield b
+
+
+def load_draft(name: str | None):
+    """``(TorchDrafter, tokenizer)`` for a draft name (default: the demo draft)."""
+    from edge_sdk.drafters.torch import TorchDrafter
+    from edge_sdk.models import load_model
+    from specrelay_cli import default_draft
+
+    model, tok = load_model(name or default_draft())
+    return TorchDrafter(model), tok

@@ -1,0 +1,222 @@
+"""The examples: robot agent loop and terminal chat.
+
+Parser/simulator unit tests run without a model. The ``real_model`` tests run the
+examples' ``main`` on the real SmolLM2-135M-Instruct target and the default draft
+(greedy), sharing one in-process signed server and one load of the models per module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from examples import chat_app, robot_agent
+from examples.robot_agent import (
+    Action, LineBuffer, ParseError, Robot, default_world, parse_action,
+)
+
+# ----------------------------------------------------------------------- no model
+
+
+@pytest.mark.parametrize("line, want", [
+    ("move east 3", Action("move", "east", 3)),
+    ("1. go north 2 steps", Action("move", "north", 2)),
+    ("walk 2 steps south.", Action("move", "south", 2)),
+    ("move west two", Action("move", "west", 2)),
+    ("- pick up the red cup", Action("pick", "red cup")),
+    ("grab ball", Action("pick", "ball")),
+    ("drop", Action("drop")),
+    ("Drop the cup.", Action("drop", "cup")),
+    ("charge battery", Action("charge")),
+    ("say Good Morning", Action("say", "Good Morning")),
+    ("done", Action("done")),
+])
+def test_parse_action(line, want):
+    assert parse_action(line) == want
+    assert parse_action(str(want)) == want          # canonical form round-trips
+
+
+@pytest.mark.parametrize("line", ["", "   ", "move to the charger", "shine", "move east 0",
+                                  "fly north 3", "pick"])
+def test_parse_action_rejects(line):
+    with pytest.raises(ParseError):
+        parse_action(line)
+
+
+def test_robot_simulator_rules():
+    r = Robot(battery=30, objects={"cup": (2, 0)})
+    assert not r.execute(parse_action("move west 1")).ok            # off the grid
+    assert not r.execute(parse_action("pick cup")).ok               # not here
+    assert "2 east" in r.history[-1][2]
+    assert r.execute(parse_action("move east 2")).ok and r.pos == (2, 0) and r.battery == 20
+    assert r.execute(parse_action("pick up the cup")).ok and r.held == "cup"
+    assert "cup" not in r.objects
+    assert r.execute(parse_action("pick cup")).ok                   # already held: no-op
+    out = r.execute(parse_action("move north 4"))                    # needs 20, has 18
+    assert not out.ok and "battery too low" in out.message and r.pos == (2, 0)
+    assert r.execute(parse_action("charge")).ok and r.battery == 100
+    assert r.execute(parse_action("move north 4")).ok and r.pos == (2, 4)
+    assert not r.execute(parse_action("drop ball")).ok
+    assert r.execute(parse_action("drop")).ok and r.objects["cup"] == (2, 4) and not r.held
+    assert not r.execute(parse_action("drop")).ok
+    assert r.execute(parse_action("say hi there")).ok and r.said == ["hi there"]
+
+
+def test_line_buffer():
+    b = LineBuffer()
+    assert b.feed("move ea") == []
+    assert b.feed("st 3\npick") == ["move east 3"]
+    assert b.feed(" cup\n\nsay x") == ["pick cup", ""]
+    assert b.flush() == "say x" and b.flush() == ""
+
+
+# ----------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="module")
+def real():
+    """(backend with url/signer/api_key, TorchDrafter factory, tokenizer)."""
+    from edge_sdk.drafters.torch import TorchDrafter
+    from edge_sdk.models import load_model
+    from examples._common import local_server
+    from specrelay_cli import default_draft
+
+    target, tok = load_model("smollm2-135m")
+    dmodel, _ = load_model(default_draft())
+    with local_server(target, tok) as b:
+        yield b, (lambda: TorchDrafter(dmodel)), tok
+
+
+def _replay(rounds, start: Robot) -> Robot:
+    """Re-execute every handled line of every round in order on a fresh world."""
+    for rec in rounds:
+        outcomes = []
+        for line in rec.lines:
+            try:
+                a = parse_action(line)
+            except ParseError:
+                continue
+            outcomes.append((a, start.execute(a)))
+        assert [(str(a), o.ok) for a, o in outcomes] == \
+               [(str(a), o.ok) for a, o in rec.actions]
+    return start
+
+
+@pytest.mark.real_model
+def test_robot_agent_real_model(real, tmp_path):
+    b, make_drafter, tok = real
+    instructions = tmp_path / "instructions.txt"
+    instructions.write_text("# scripted test run\nmove east 3, then pick up the cup\n"
+                            "go north 5 and say I am here\n")
+    robot = default_world()
+    start = default_world().snapshot()
+    t0 = time.perf_counter()
+    report = robot_agent.main(["--url", b.url, "--api-key", b.api_key, "--instructions",
+                               str(instructions), "--max-rounds", "2", "--quiet",
+                               "--threads", "0"],
+                              robot=robot, drafter=make_drafter(), tokenizer=tok)
+    assert time.perf_counter() - t0 < 60
+    assert report.robot is robot and report.rounds
+    assert [r.instruction_index for r in report.rounds][0] == 1
+    for rec in report.rounds:
+        # tokens streamed in order: the stream is the final text (a round cut off after a
+        # failed action may hold back an undecided tail, never anything else)
+        if rec.finish_reason == "aborted":
+            assert rec.text.startswith(rec.streamed)
+        else:
+            assert rec.streamed == rec.text
+        # the lines handled are exactly the lines of the streamed text, in order
+        assert rec.lines == rec.streamed.split("\n")[:len(rec.lines)]
+        assert rec.tokens == len(rec.token_ids) > 0
+        assert 0.0 <= rec.metrics["acceptance_rate"] <= 1.0
+        for line in rec.unparseable:
+            with pytest.raises(ParseError):
+                parse_action(line)
+    executed = [a for rec in report.rounds for a in rec.executed()]
+    assert executed, [r.text for r in report.rounds]
+    # the simulator's state is what the parsed actions imply
+    replay = _replay(report.rounds, default_world())
+    assert replay.snapshot() == robot.snapshot()
+    assert robot.snapshot() != start
+    assert robot.history == replay.history
+
+
+@pytest.mark.real_model
+def test_robot_round_executes_actions_while_streaming(real):
+    """Actions execute as their lines complete: the first one runs before the reply's
+    last token has arrived."""
+    from edge_sdk import EdgeClient
+
+    b, make_drafter, tok = real
+
+    async def go():
+        async with EdgeClient(b.url, make_drafter(), tok, depth=3, signer=b.signer,
+                              chat=False) as c:
+            robot = Robot(battery=100, objects={"cup": (3, 0)})
+            msgs = robot_agent.base_messages() + [
+                {"role": "user", "content": "move east 3, then pick up the cup"}]
+            return await robot_agent.run_round(c, robot, msgs), robot
+
+    rec, robot = asyncio.run(go())
+    assert rec.executed(), rec.text
+    assert len(rec.action_at_token) == len(rec.actions)
+    assert rec.action_at_token == sorted(rec.action_at_token)
+    assert rec.action_at_token[0] < rec.tokens
+    assert robot.snapshot() != Robot(battery=100, objects={"cup": (3, 0)}).snapshot()
+
+
+@pytest.mark.real_model
+def test_chat_app_prompt_real_model(real, capsys):
+    from edge_sdk import EdgeClient
+    from edge_sdk.openai_server import chat_prompt_ids
+
+    b, make_drafter, tok = real
+    t0 = time.perf_counter()
+    session = chat_app.main(["--url", b.url, "--api-key", b.api_key, "--prompt",
+                             "Name three colors.", "--max-new-tokens", "24", "--stats",
+                             "--threads", "0"],
+                            drafter=make_drafter(), tokenizer=tok)
+    assert time.perf_counter() - t0 < 60
+    out = capsys.readouterr().out
+    res = session.last_result
+    assert res.text.strip() and len(res.token_ids) > 1
+    assert "".join(session.last_pieces) == res.text          # streamed in order
+    assert sum(1 for p in session.last_pieces if p) > 1
+    assert out.startswith(res.text + "\n")                   # printed as streamed
+    assert "acceptance_rate" in out and "completion_tokens" in out
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    assert session.history == msgs + [{"role": "assistant", "content": res.text}]
+    assert res.prompt_ids == chat_prompt_ids(tok, msgs)
+    assert res.prompt_ids == tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+
+    async def reference():      # the target alone, through the same server
+        async with EdgeClient(b.url, None, tok, signer=b.signer, chat=False) as c:
+            return await c.generate(prompt_ids=res.prompt_ids, max_new_tokens=24)
+    assert asyncio.run(reference()).token_ids == res.token_ids
+
+
+@pytest.mark.real_model
+def test_chat_session_keeps_history(real):
+    """Two turns: the second prompt is the chat template over the whole history."""
+    from edge_sdk import EdgeClient
+    from edge_sdk.openai_server import chat_prompt_ids
+
+    b, make_drafter, tok = real
+
+    async def go():
+        async with EdgeClient(b.url, make_drafter(), tok, depth=3, signer=b.signer,
+                              chat=False) as c:
+            s = chat_app.ChatSession(c, system="You are terse.", max_new_tokens=8)
+            r1 = await s.send("Hi!")
+            r2 = await s.send("What did I just say?")
+            return s, r1, r2
+
+    s, r1, r2 = asyncio.run(go())
+    assert [m["role"] for m in s.history] == ["system", "user", "assistant", "user",
+                                              "assistant"]
+    assert s.history[2]["content"] == r1.text
+    assert r2.prompt_ids == chat_prompt_ids(tok, s.history[:4])
+    assert s.stats()["completion_tokens"] == len(r2.token_ids)
