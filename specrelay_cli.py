@@ -273,6 +273,11 @@ def _mount():
         main.add_command(bench)
     except ImportError:
         pass
+    try:
+        from edge_sdk.openai_server import edge_serve
+        main.add_command(edge_serve, "edge-serve")
+    except ImportError:
+        pass
 
 
 _mount()
