@@ -88,7 +88,7 @@ async def resolve(corr: Correction, q: torch.Tensor, budget: float, gen: torch.G
         if tok >= 0:
             return int(tok), "proposal", 0.0
     if mode in ("auto", "bounded") and budget > 0 and not corr.complete:
-        wider = await fetch(max(1024, 16 * len(corr.support_ids)))   # expand K once
+        wider = await fetch(min(q.shape[-1], max(1024, 16 * len(corr.support_ids))))  # expand K
         tok, eps = try_bounded(_t(wider.ids, i64), _t(wider.p, f64), wider.complete, q,
                                budget, gen)
         if tok >= 0:

@@ -97,3 +97,30 @@ def test_end_to_end_first_two_tokens(stage, cfg, k):
     counts, modes = asyncio.run(main())
     assert modes[stage] > 0.9 * sum(modes.values()) > 0   # the forced stage did the work
     assert pvalue(counts, exact) > 0.01
+
+
+def test_bounded_budget_is_spent_at_most_and_reported():
+    """eps_req > 0 through the real edge and cloud: bounded corrections are taken while
+    their certificates fit, the spend never exceeds eps_req, and it is reported."""
+    tok = tiny_tokenizer(V)
+    target = tiny_model(vocab=V, seed=0)
+    draft = tiny_model(vocab=V, seed=1, like=target, noise=0.03)
+    svc = CloudService(target, tok)
+    cfg = SamplingConfig(temperature=1.0)
+    budget = 0.05
+
+    async def main():
+        client = EdgeClient("inproc://", TorchDrafter(draft), tok, depth=3, chat=False,
+                            support_k=6, n_proposals=0, eps_req=budget,
+                            transport=InProcessTransport(svc))
+        try:
+            return [await client.generate(prompt_ids=PROMPT, sampling=cfg, seed=s,
+                                          max_new_tokens=24) for s in range(40)]
+        finally:
+            await client.close()
+
+    runs = asyncio.run(main())
+    spent = [r.metrics["tv_budget_spent"] for r in runs]
+    bounded = sum(r.metrics["correction_mode_counts"]["bounded"] for r in runs)
+    assert max(spent) <= budget + 1e-12
+    assert bounded > 0 and max(spent) > 0
