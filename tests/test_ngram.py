@@ -113,7 +113,7 @@ def test_mixed_with_model_drafter(target):
 
 # ----------------------------------------------------------------------------- math level
 
-def one_hot_tables(seed: int, tokens_from=None):
+def one_hot_tables(seed: int):
     """Deterministic lookup-style draft: first token t1, second token D2[a] after a."""
     g = torch.Generator().manual_seed(seed)
     t1 = int(torch.randint(V, (1,), generator=g))
