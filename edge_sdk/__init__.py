@@ -4,10 +4,11 @@ Public API: :class:`EdgeClient`, :class:`GenerationResult`, :class:`TokenEvent`,
 :class:`SamplingConfig`, :func:`generate` (synchronous convenience wrapper).
 """
 
-from edge_sdk.client import EdgeClient, GenerationResult, TokenEvent
+from edge_sdk.client import CloudUnreachable, EdgeClient, GenerationResult, TokenEvent
 from edge_sdk.protocol.sampling import SamplingConfig
 
-__all__ = ["EdgeClient", "GenerationResult", "TokenEvent", "SamplingConfig", "generate"]
+__all__ = ["EdgeClient", "GenerationResult", "TokenEvent", "SamplingConfig", "generate",
+           "CloudUnreachable"]
 
 
 def generate(base_url: str, drafter, tokenizer, prompt: str, **kw) -> GenerationResult:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+import aiohttp
 import numpy as np
 import torch
 
@@ -32,6 +33,14 @@ from edge_sdk.scheduler import DraftScheduler
 from edge_sdk.transport import MSGPACK, RemoteError, Transport
 
 
+CLOUD_LOSS_POLICIES = ("wait", "draft_only")
+UNREACHABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError)
+
+
+class CloudUnreachable(ConnectionError):
+    """The verification API could not be reached within ``offline_timeout_s``."""
+
+
 @dataclass
 class TokenEvent:
     """One committed token: id, the text it adds, and whether the target verified it."""
@@ -43,15 +52,24 @@ class TokenEvent:
 
 @dataclass
 class GenerationResult:
+    """``verified[i]`` is False for a token produced by the draft alone while the cloud
+    was unreachable (``on_cloud_loss="draft_only"``); every other token is the target's."""
+
     text: str
     token_ids: list[int]
     finish_reason: str
     prompt_ids: list[int]
     metrics: dict = field(default_factory=dict)
+    verified: list[bool] = field(default_factory=list)
+
+    @property
+    def all_verified(self) -> bool:
+        return all(self.verified)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "metrics": self.metrics}
+                "finish_reason": self.finish_reason, "verified": self.verified,
+                "metrics": self.metrics}
 
 
 class EdgeClient:
@@ -85,6 +103,14 @@ class EdgeClient:
             confirmed-prefix grants (they draft a descendant of an unresolved block).
         proactive_roots: b, the number of guessed bonus tokens (b > 1: a tree of b
             branches, each on its own drafter fork).
+        on_cloud_loss: what to do when the cloud cannot be reached (connection refused,
+            timeouts) after the transport's retries. ``wait`` (default): keep retrying
+            with backoff for up to ``offline_timeout_s`` seconds, then raise
+            ``CloudUnreachable``; no unverified token is ever produced. ``draft_only``:
+            continue with the draft alone, every such token flagged ``verified=False``
+            (TokenEvent, GenerationResult.verified, the OpenAI endpoint), probing the
+            cloud every ``probe_interval_s`` seconds; once it answers the request
+            resumes from its full prefix (nothing lost or repeated) under verification.
     """
 
     def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = 4,
@@ -93,7 +119,8 @@ class EdgeClient:
                  transport: Transport | None = None, scheduler: DraftScheduler | None = None,
                  controller: str | DepthController | None = None,
                  controller_kw: dict | None = None, proactive: str = "off",
-                 proactive_roots: int = 1):
+                 proactive_roots: int = 1, on_cloud_loss: str = "wait",
+                 offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0):
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
         if correction not in C.MODES:
@@ -102,6 +129,10 @@ class EdgeClient:
             raise ValueError(f"proactive must be one of {PROACTIVE_MODES}")
         if not 1 <= int(proactive_roots) <= 8:
             raise ValueError("proactive_roots must be in 1..8")
+        if on_cloud_loss not in CLOUD_LOSS_POLICIES:
+            raise ValueError(f"on_cloud_loss must be one of {CLOUD_LOSS_POLICIES}")
+        self.on_cloud_loss, self.offline_timeout_s = on_cloud_loss, offline_timeout_s
+        self.probe_interval_s = probe_interval_s
         if isinstance(controller, str):
             make_controller(controller, **(controller_kw or {}))    # validate early
         self.controller, self.controller_kw = controller, dict(controller_kw or {})
@@ -191,6 +222,9 @@ class Generation:
         self._next: tuple | None = None         # kept proactive branch: (Branch, plan)
         self._forks: list[Drafter] = []         # extra drafters for proactive tree roots
         self._t_verdict: float | None = None    # perf_counter of the last verdict
+        self.path: str | None = None
+        self.verified: list[bool] = []
+        self.offline = False                    # draft-only while the cloud is lost
 
     def _make_controller(self, spec, depth: int | None) -> DepthController:
         if depth is not None:
@@ -213,7 +247,7 @@ class Generation:
     def result(self) -> GenerationResult:
         cm = self.committer
         return GenerationResult(cm.text, list(cm.token_ids), cm.finish_reason,
-                                self.prompt_ids, self.m.to_dict())
+                                self.prompt_ids, self.m.to_dict(), list(self.verified))
 
     # ------------------------------------------------------------------ session
 
@@ -431,16 +465,84 @@ class Generation:
             dropped += len(kept.tokens)
         return dropped
 
+    # ------------------------------------------------------------------ cloud loss
+
+    async def _online_round(self, tokens: list[int]) -> list[int] | None:
+        """One verified round, riding out cloud loss per the client's policy. Returns
+        None when the request must continue draft-only."""
+        c = self.c
+        deadline = time.monotonic() + c.offline_timeout_s
+        delay = 0.1
+        while True:
+            seq, pending = self.seq, self.pending
+            try:
+                return await self._round(tokens)
+            except UNREACHABLE:
+                # the round did not complete here: restore the header state (a resent
+                # block is answered from the cloud's cache; a lost session is re-created)
+                self.seq, self.pending, self._next = seq, pending, None
+                if c.on_cloud_loss == "draft_only":
+                    return None
+                if time.monotonic() + delay > deadline:
+                    raise CloudUnreachable(
+                        f"verification API unreachable for {c.offline_timeout_s:.0f} s")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    async def _until_reachable(self, fn):
+        """``await fn()``, retrying with backoff while the cloud is unreachable, for up
+        to ``offline_timeout_s`` (the first session create: nothing to draft from yet)."""
+        deadline = time.monotonic() + self.c.offline_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return await fn()
+            except UNREACHABLE:
+                if time.monotonic() + delay > deadline:
+                    raise CloudUnreachable("verification API unreachable for "
+                                           f"{self.c.offline_timeout_s:.0f} s") from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    async def _offline_round(self, tokens: list[int]) -> list[int]:
+        """Draft-only: probe the cloud (re-create the session from the full prefix) at
+        most every ``probe_interval_s``; else one token from the draft alone."""
+        now = time.monotonic()
+        if now - self._last_probe >= self.c.probe_interval_s:
+            self._last_probe = now
+            try:
+                await self._create(list(tokens), self.committer.remaining)
+                self.offline = False
+                return []
+            except UNREACHABLE:
+                pass
+        block = await self.c.scheduler.draft(self, len(self.committer.token_ids),
+                                             self.drafter.propose, tokens, 1, self.cfg,
+                                             draft_generator(self.seed, 10**6 + len(tokens)))
+        self.c.scheduler.close(self)
+        self.m.unverified_tokens += 1
+        return list(block.tokens)
+
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         c, m = self.c, self.m
         m.t_start = time.perf_counter()
-        info = await self._create(self.prompt_ids, self.max_new_tokens)
-        self.committer = Committer(c.tokenizer, self.max_new_tokens,
-                                   info.get("eos_token_ids", []), self.stop)
+        self._last_probe = time.monotonic()
         tokens = list(self.prompt_ids)
         try:
+            info = await self._until_reachable(
+                lambda: self._create(self.prompt_ids, self.max_new_tokens))
+            self.committer = Committer(c.tokenizer, self.max_new_tokens,
+                                       info.get("eos_token_ids", []), self.stop)
             while not self.committer.done:
-                new = await self._round(tokens)
+                if self.offline:
+                    new, ok = await self._offline_round(tokens), False
+                else:
+                    new, ok = await self._online_round(tokens), True
+                    if new is None:
+                        if self.target_only:
+                            raise CloudUnreachable("cloud lost and no draft model")
+                        self.offline, new = True, []
+                        self._last_probe = time.monotonic()
                 tokens += new
                 for t in new:
                     if self.committer.done:
@@ -448,7 +550,8 @@ class Generation:
                     text = self.committer.push(t)
                     m.committed_tokens += 1
                     m.first_token()
-                    yield TokenEvent(t, text)
+                    self.verified.append(ok)
+                    yield TokenEvent(t, text, ok)
                 m.wasted_draft_tokens = (m.drafted_tokens - m.accepted_tokens
                                          + m.proactive_wasted_tokens)
             if self._next is not None:        # a kept branch outlived the request
@@ -458,7 +561,8 @@ class Generation:
         finally:
             m.finish()
             c._return_drafter(self._leased)
-            try:
-                await self._call("DELETE", self.path)
-            except Exception:  # noqa: BLE001 - cleanup is best effort; TTL evicts anyway
-                pass
+            if self.path is not None and not self.offline:
+                try:
+                    await self._call("DELETE", self.path)
+                except Exception:  # noqa: BLE001 - cleanup is best effort; TTL evicts
+                    pass

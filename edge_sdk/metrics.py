@@ -32,6 +32,7 @@ class RequestMetrics:
         default_factory=lambda: {"bounded": 0, "proposal": 0, "full": 0})
     tv_budget_spent: float = 0.0
     accepted_hist: list = field(default_factory=list)   # accepted drafts per round
+    unverified_tokens: int = 0      # draft-only tokens while the cloud was unreachable
     # proactive drafting (IPDG/NPDG, SPEC §5) and depth control (SPEC §4)
     proactive_rounds: int = 0       # rounds that started a proactive branch
     proactive_hits: int = 0         # ... whose branch matched the verdict and was kept
@@ -78,6 +79,7 @@ class RequestMetrics:
             "draft_seconds": self.draft_seconds, "net_seconds": self.net_seconds,
             "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "wall_s": wall, "accepted_hist": list(self.accepted_hist),
+            "unverified_tokens": self.unverified_tokens,
             "proactive_rounds": self.proactive_rounds, "proactive_hits": self.proactive_hits,
             "proactive_attempts": self.proactive_rounds,     # bench report's raw-count name
             "proactive_drafted_tokens": self.proactive_drafted_tokens,

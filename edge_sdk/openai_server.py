@@ -28,8 +28,9 @@ Extension fields (ignored by OpenAI clients, readable e.g. as
 ``resp.choices[0].model_extra["verified"]``):
 
 * ``choices[i].verified`` (bool): every token of the choice (for a stream chunk: of that
-  chunk) was verified by the cloud target. Always ``true`` today; a draft-only/offline
-  mode would mark its unverified tokens ``false``.
+  chunk) was verified by the cloud target; ``false`` when the client runs with
+  ``on_cloud_loss="draft_only"`` and some tokens came from the draft alone while the
+  cloud was unreachable.
 * ``choices[i].verified_tokens`` / ``unverified_tokens`` (non-streaming responses).
 * ``specrelay`` (top level, non-streaming and the final stream chunk): acceptance rate,
   TPOT, target passes per token of the request.
@@ -553,7 +554,12 @@ if click is not None:
                   help="The model name reported to OpenAI clients.")
     @click.option("--default-max-tokens", default=256, show_default=True,
                   help="Chat max_tokens when a request gives none.")
-    def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_tokens):
+    @click.option("--on-cloud-loss", type=click.Choice(["wait", "draft_only"]),
+                  default="wait", show_default=True,
+                  help="wait: retry until the cloud is back (never unverified tokens); "
+                       "draft_only: continue with the draft, tokens flagged verified=false.")
+    def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_tokens,
+                   on_cloud_loss):
         """Serve an OpenAI-compatible API on the edge (draft here, verify in the cloud).
 
         Point an OpenAI client at http://HOST:PORT/v1 (any api_key)."""
@@ -568,7 +574,8 @@ if click is not None:
         dmodel, tok = load_model(draft)
         signer = Signer.from_api_key(api_key) if api_key else None
         app = create_edge_app(url, TorchDrafter(dmodel), tok, signer=signer, depth=depth,
-                              model_name=model_name, default_max_tokens=default_max_tokens)
+                              model_name=model_name, default_max_tokens=default_max_tokens,
+                              on_cloud_loss=on_cloud_loss)
         click.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 "
                    f"(draft {draft}, cloud {url})", err=True)
         web.run_app(app, host=host, port=port, print=None)
