@@ -262,6 +262,8 @@ class Generation:
         body = {"prompt_ids": prompt_ids, "sampling": self.cfg.to_dict(), "seed": self.seed,
                 "max_new_tokens": max_new, "tokenizer_hash": tokenizer_fingerprint(c.tokenizer),
                 "mode": c.mode, "support_k": c.support_k, "n_proposals": c.n_proposals}
+        vocab = c.drafter.vocab_size if c.drafter is not None else len(c.tokenizer)
+        body["support_k"] = max(1, min(c.support_k, vocab))      # K <= V
         if c.drafter is not None:
             body["vocab_size"] = c.drafter.vocab_size
         data = await self._call("POST", "/v1/sessions", wire.pack(body))
