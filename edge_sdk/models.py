@@ -215,9 +215,13 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def draft_available(name: str) -> bool:
-    """True when a named draft preset's files exist on this machine."""
+    """True when a named draft preset's files exist on this machine (for a folder: its
+    ``specrelay_draft.json`` manifest or ``config.json``)."""
     try:
         spec = resolve(name)
     except Exception:  # noqa: BLE001 - a preset whose files are missing
         return False
-    return Path(spec.path).exists()
+    p = Path(spec.path)
+    if p.is_dir() and not spec.gguf_file:
+        return (p / "specrelay_draft.json").is_file() or (p / "config.json").is_file()
+    return p.exists()

@@ -240,9 +240,11 @@ def test_committed_default_draft_beats_truncated_baseline():
     4-layer truncation on two short prompts (greedy, float32)."""
     from edge_sdk.models import encode_prompt, load_model
 
-    folder = D._draft_folder("smollm2-135m-draft")
-    if not (folder / D.WEIGHTS_NAME).exists():
+    from edge_sdk.models import draft_available
+
+    if not draft_available("smollm2-135m-draft"):
         pytest.skip("default draft not committed")
+    folder = D._draft_folder("smollm2-135m-draft")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tgt, tok = load_model("smollm2-135m")
     draft, _ = D.load_draft("smollm2-135m-draft", target=(tgt, tok))
