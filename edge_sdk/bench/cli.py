@@ -40,7 +40,9 @@ def _cpus(value: str | None) -> list[int] | None:
               "requests.jsonl.")
 @click.option("--quick", is_flag=True, help="A few-minute run: modes cloud-ar, standard-sd, "
               "specrelay; profiles weak, cellular-edge, strong; 1 greedy prompt per workload; "
-              "20 new tokens. Explicit options override these.")
+              "20 new tokens; plus the pipeline and its baselines (no-pipeline, runahead, "
+              "standard-sd-concurrent) at 8 concurrent requests x 16 tokens on mtbench, "
+              "weak and strong. Explicit options override these.")
 @click.option("--modes", default=None, help="Comma list of modes "
               f"[default: {_DEFAULTS['modes']}]. See --list-modes.")
 @click.option("--profiles", default=None,
@@ -57,6 +59,11 @@ def _cpus(value: str | None) -> list[int] | None:
               help="Prompt selection and per-request sampling seeds.")
 @click.option("--depth", type=click.IntRange(1, 8), default=4, show_default=True,
               help="Draft depth gamma for fixed-depth modes (tokens per block).")
+@click.option("--concurrency", default=None, help="Comma list of concurrency values, e.g. "
+              "'1,4,8,16': each concurrent mode (pipeline, no-pipeline, runahead, "
+              "standard-sd-concurrent) runs once per value, reported under the profile "
+              "label <profile>@c<C>, with C*ceil(prompts/C) requests [default: 8]. "
+              "Sequential modes ignore it.")
 @click.option("--target", default="smollm2-135m", show_default=True, help="Target model.")
 @click.option("--draft", default=None,
               help="Draft model (default: the trained draft if present, else smollm2-135m@4).")
@@ -80,7 +87,7 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
 def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new_tokens, seed,
-          depth, target, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus, edge_cpus,
+          depth, concurrency, target, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus, edge_cpus,
           cloud_threads, edge_threads, insecure_no_auth, no_warmup, no_progress, list_modes):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
@@ -99,11 +106,27 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
 
     preset = dict(_DEFAULTS)
     if quick:
-        preset.update({k: (",".join(v) if isinstance(v, list) else v) for k, v in QUICK.items()})
+        preset.update({k: (",".join(map(str, v)) if isinstance(v, list) else v)
+                       for k, v in QUICK.items()})
     opts = dict(modes=modes, profiles=profiles, workloads=workloads, sampling=sampling,
                 prompts=prompts, max_new_tokens=max_new_tokens)
     opts = {k: (preset[k] if v is None else v) for k, v in opts.items()}
+    conc_kw = {}
+    if quick:
+        conc_kw = dict(concurrency=QUICK["concurrency"],
+                       concurrent_max_new_tokens=(None if max_new_tokens is not None
+                                                  else QUICK["concurrent_max_new_tokens"]),
+                       concurrent_profiles=(None if profiles is not None
+                                            else QUICK["concurrent_profiles"]),
+                       concurrent_workloads=(None if workloads is not None
+                                             else QUICK["concurrent_workloads"]))
     try:
+        if concurrency is not None:
+            vals = _csv(concurrency)
+            if not vals or not all(v.isdigit() and int(v) >= 1 for v in vals):
+                raise ValueError(f"--concurrency takes a comma list of integers >= 1, got "
+                                 f"{concurrency!r}")
+            conc_kw["concurrency"] = [int(v) for v in vals]
         cfg = BenchConfig(modes=_csv(opts["modes"]), profiles=_csv(opts["profiles"]),
                           workloads=_csv(opts["workloads"]), sampling=_csv(opts["sampling"]),
                           prompts=opts["prompts"], seed=seed,
@@ -112,7 +135,7 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
                           edge_cpus=_cpus(edge_cpus), cloud_threads=cloud_threads,
                           edge_threads=edge_threads, auth=not insecure_no_auth,
                           edge_slowdown=edge_slowdown, slowdown_at_s=slowdown_at,
-                          edge_load=edge_load, warmup=not no_warmup)
+                          edge_load=edge_load, warmup=not no_warmup, **conc_kw)
         for m in cfg.modes:
             M.get_mode(m)
     except ValueError as e:
@@ -149,6 +172,20 @@ def _print_summary(results: dict, out_dir: str, elapsed: float) -> None:
                   f(m["mean_accepted_length"]), f(m["uplink_bytes_per_token"], 1, "{:.1f}"),
                   f(m["downlink_bytes_per_token"], 1, "{:.1f}"))
     con.print(t)
+    conc = [r for r in results["runs"] if r["metrics"].get("concurrency") is not None]
+    if conc:
+        ct = Table(title="concurrent runs (profile@c<concurrency>)")
+        for col in ("mode", "profile", "workload", "tok/s", "passes/tok", "mean batch",
+                    "edge util", "cloud util", "runahead wasted"):
+            ct.add_column(col, justify="left" if col in ("mode", "profile", "workload")
+                          else "right")
+        for r in conc:
+            m = r["metrics"]
+            ct.add_row(r["mode"], r["profile"], r["workload"], f(m["throughput_tok_s"]),
+                       f(m["target_passes_per_token"], 1, "{:.3f}"), f(m.get("mean_batch_size")),
+                       f(m.get("edge_utilisation")), f(m.get("cloud_utilisation")),
+                       str(m.get("runahead_wasted_tokens", 0)))
+        con.print(ct)
     if results["ratios"]:
         rt = Table(title="ratios (> 1: mode is better)")
         for col in ("metric", "profile", "mode", "baseline", "value"):

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from edge_sdk.bench import pipeline as P
 from edge_sdk.bench import report
 from edge_sdk.bench.linkem import PROFILES, LinkEmulatorThread, Profile
 from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RequestRecord, get_mode)
@@ -87,6 +88,15 @@ class BenchConfig:
         prompt_sets: explicit prompts per workload name (tests); overrides loading.
         server_kw: extra ``create_app``/``CloudService`` options (max_batch, ...).
         mode_options: per-mode options (``EdgeContext.options``), by mode name.
+        concurrency: requests in flight for the concurrent modes (``pipeline``,
+            ``no-pipeline``, ``runahead``, ``standard-sd-concurrent``); each runs once
+            per value, reported under the profile label ``<profile>@c<C>``, with
+            ``C * ceil(prompts / C)`` requests per cell. None: [8]. Sequential modes
+            ignore it.
+        concurrent_profiles, concurrent_workloads: restrict the concurrent modes to
+            these profiles / workloads (None: all of the run's).
+        concurrent_max_new_tokens: tokens per request in concurrent cells (None:
+            ``max_new_tokens``).
     """
 
     modes: list = field(default_factory=lambda: ["cloud-ar", "standard-sd", "specrelay"])
@@ -112,13 +122,21 @@ class BenchConfig:
     prompt_sets: dict | None = None
     server_kw: dict = field(default_factory=dict)
     mode_options: dict = field(default_factory=dict)
+    concurrency: list | None = None
+    concurrent_profiles: list | None = None
+    concurrent_workloads: list | None = None
+    concurrent_max_new_tokens: int | None = None
 
 
-QUICK = dict(modes=["cloud-ar", "standard-sd", "specrelay"],
+QUICK = dict(modes=["cloud-ar", "standard-sd", "specrelay", "pipeline", "no-pipeline",
+                    "runahead", "standard-sd-concurrent"],
              profiles=["weak", "cellular-edge", "strong"], workloads=["mtbench", "humaneval"],
-             sampling=["greedy"], prompts=1, max_new_tokens=20)
-"""``--quick`` settings: one greedy prompt per workload, 20 tokens, three profiles,
-every built-in mode (a few minutes on 2 CPU cores)."""
+             sampling=["greedy"], prompts=1, max_new_tokens=20, concurrency=[8],
+             concurrent_profiles=["weak", "strong"], concurrent_workloads=["mtbench"],
+             concurrent_max_new_tokens=16)
+"""``--quick`` settings: one greedy prompt per workload, 20 tokens, three profiles for the
+sequential modes; the confirmed-prefix pipeline and its baselines at 8 concurrent
+requests x 16 tokens (mtbench; weak and strong). Under 10 minutes on 2 CPU cores."""
 
 
 def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
@@ -204,19 +222,28 @@ async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -
 
     from cloud_api.app import create_app
 
+    from cloud_api.app import SERVICE
+
     app = create_app(model, tok, key_store=store, threads=threads, **server_kw)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
+    queue = app[SERVICE].queue
     conn.send({"port": port, "raw_key": raw_key, "load_s": load_s, "pid": os.getpid(),
-               "vocab_size": int(model.config.vocab_size)})
+               "vocab_size": int(model.config.vocab_size), "max_batch": queue.max_batch})
     loop = asyncio.get_running_loop()
-    try:
-        await loop.run_in_executor(None, conn.recv)         # "stop", or EOF
-    except (EOFError, OSError):
-        pass
+    while True:
+        try:
+            msg = await loop.run_in_executor(None, conn.recv)   # "stop", a command, or EOF
+        except (EOFError, OSError):
+            break
+        if isinstance(msg, dict) and "max_batch" in msg:     # bench control: batching
+            queue.max_batch = max(1, int(msg["max_batch"]))   # read by the next batch
+            conn.send({"max_batch": queue.max_batch})
+            continue
+        break
     await runner.cleanup()
 
 
@@ -297,6 +324,16 @@ class CloudServerProcess:
         from edge_sdk.protocol.signing import Signer
 
         return Signer.from_api_key(self.raw_key) if self.raw_key else None
+
+    def set_max_batch(self, n: int, timeout: float = 30.0) -> int:
+        """Set the server's verification max batch (blocks per target pass) from the
+        next batch on; returns the value in force. Raises RuntimeError without an
+        answer within ``timeout`` s."""
+        self.wait_ready()
+        self._conn.send({"max_batch": int(n)})
+        if not self._conn.poll(timeout):
+            raise RuntimeError("cloud server did not answer the max_batch command")
+        return int(self._conn.recv()["max_batch"])
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the server to shut down; kill it if it does not within ``timeout`` s."""
@@ -446,13 +483,16 @@ def _requests(tok, prompts: list[Prompt], label: str, seed: int) -> list[BenchRe
                          seed * 1000 + i) for i, p in enumerate(prompts)]
 
 
-async def _run_cell(mode_cls, ctx: EdgeContext, reqs, on_done) -> list[RequestRecord]:
+async def _run_cell(mode_cls, ctx: EdgeContext, reqs, on_done,
+                    sink: dict | None = None) -> list[RequestRecord]:
     mode = mode_cls(ctx)
     await mode.open()
     try:
         return await mode.run(reqs, on_done)
     finally:
         await mode.close()
+        if sink is not None:           # run-level measurements of concurrent modes
+            sink.update(getattr(mode, "cell_metrics", None) or {})
 
 
 def _run_metrics(records: list[RequestRecord]) -> dict:
@@ -465,6 +505,49 @@ def _run_metrics(records: list[RequestRecord]) -> dict:
     m["wall_s_total"] = sum(r["wall_s"] for r in per)
     m["prompt_tokens_mean"] = sum(r.get("prompt_tokens", 0) for r in per) / len(per)
     return m
+
+
+def _is_concurrent(mode_cls) -> bool:
+    return bool(getattr(mode_cls, "concurrent", False))
+
+
+def _concurrency(cfg: BenchConfig) -> list[int]:
+    vals = [int(c) for c in (cfg.concurrency or [P.DEFAULT_CONCURRENCY])]
+    if not vals or min(vals) < 1:
+        raise ValueError("concurrency values must be >= 1")
+    return list(dict.fromkeys(vals))
+
+
+def _jobs(cfg: BenchConfig, mode_classes, profiles, cells, prompt_sets, tok, reqs) -> list:
+    """The run's cells in order: ``(profile name, workload, sampling, mode class,
+    concurrency or None, requests, max_new_tokens)``. Sequential modes run the
+    workload's prompts one after another; concurrent modes run once per concurrency
+    value C on ``C * ceil(prompts / C)`` requests (more prompts from the same workload,
+    else the prompts cycled)."""
+    conc = _concurrency(cfg)
+    max_new_c = cfg.concurrent_max_new_tokens or cfg.max_new_tokens
+    cprof = set(cfg.concurrent_profiles) if cfg.concurrent_profiles else None
+    cwork = set(cfg.concurrent_workloads) if cfg.concurrent_workloads else None
+    more: dict = {}
+    jobs = []
+    for prof in profiles:
+        for (w, s) in cells:
+            for mcls in mode_classes:
+                if not _is_concurrent(mcls):
+                    jobs.append((prof.name, w, s, mcls, None, reqs[(w, s)],
+                                 cfg.max_new_tokens))
+                    continue
+                if (cprof is not None and prof.name not in cprof) or \
+                        (cwork is not None and w not in cwork):
+                    continue
+                for c in conc:
+                    n = P.requests_per_cell(len(prompt_sets[w]), c)
+                    if cfg.prompt_sets is None and n > len(prompt_sets[w]) and w not in more:
+                        more[w] = load_workload(w, None, cfg.seed)
+                    prompts = P.cell_prompts(prompt_sets[w], n, more.get(w))
+                    jobs.append((prof.name, w, s, mcls, c, _requests(
+                        tok, prompts, _label(w, s, cfg.sampling), cfg.seed), max_new_c))
+    return jobs
 
 
 def _digest(ids: Sequence[int]) -> str:
@@ -531,47 +614,67 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                 for w, s in cells}
         if cfg.warmup:
             _warmup(mode_classes, cloud, tok, drafter, signer, cfg, reqs)
-        total = len(profiles) * sum(len(r) for r in reqs.values()) * len(mode_classes)
+        jobs = _jobs(cfg, mode_classes, profiles, cells, prompt_sets, tok, reqs)
+        total = sum(len(j[5]) for j in jobs)
+        default_batch = int(info.get("max_batch", cfg.server_kw.get("max_batch", 8)))
         with _progress(progress, total) as bar:
             for prof in profiles:
                 with LinkEmulatorThread("127.0.0.1", info["port"], prof, seed=cfg.seed) as em:
                     stats = em.stats
                     link = (lambda st=stats: (st.uplink_bytes, st.downlink_bytes))
-                    for (w, s) in cells:
+                    for (_, w, s, mcls, conc, cell_reqs, max_new) in (
+                            j for j in jobs if j[0] == prof.name):
                         label = _label(w, s, cfg.sampling)
-                        for mcls in mode_classes:
-                            bar.describe(f"{mcls.name} | {prof.name} | {label}")
-                            ctx = EdgeContext(
-                                f"http://127.0.0.1:{em.port}", tok,
-                                drafter if mcls.needs_drafter else None, signer, prof,
-                                samplings[s], cfg.max_new_tokens, cfg.depth, link,
-                                dict(cfg.mode_options.get(mcls.name, {})))
-                            load = EdgeLoad(cfg.edge_load, edge_cpus, cfg.slowdown_at_s)
-                            if isinstance(drafter, SlowdownDrafter):
-                                drafter.restart_clock()
-                            slowed0 = getattr(drafter, "slowed_calls", 0)
-                            load.start()
-                            try:
-                                recs = asyncio.run(_run_cell(mcls, ctx, reqs[(w, s)],
-                                                             lambda r: bar.advance()))
-                            finally:
-                                load.stop()
-                            m = _run_metrics(recs)
-                            m["draft_slowed_calls"] = getattr(drafter, "slowed_calls", 0) - slowed0
-                            runs.append({"mode": mcls.name, "profile": prof.name,
-                                         "workload": label, "metrics": m})
-                            for r in recs:
-                                records_out.append({
-                                    "mode": mcls.name, "profile": prof.name, "workload": label,
-                                    "prompt_id": r.request.prompt_id, "seed": r.request.seed,
-                                    "finish_reason": r.finish_reason, "token_ids": r.token_ids,
-                                    "output_sha": _digest(r.token_ids), "metrics": r.metrics})
+                        plabel = prof.name if conc is None else P.point_label(prof.name, conc)
+                        bar.describe(f"{mcls.name} | {plabel} | {label}")
+                        ctx = EdgeContext(
+                            f"http://127.0.0.1:{em.port}", tok,
+                            drafter if mcls.needs_drafter else None, signer, prof,
+                            samplings[s], max_new, cfg.depth, link,
+                            dict(cfg.mode_options.get(mcls.name, {})), conc or 1)
+                        load = EdgeLoad(cfg.edge_load, edge_cpus, cfg.slowdown_at_s)
+                        if isinstance(drafter, SlowdownDrafter):
+                            drafter.restart_clock()
+                        slowed0 = getattr(drafter, "slowed_calls", 0)
+                        mb = None if conc is None else mcls.server_max_batch(conc, default_batch)
+                        sink: dict = {}
+                        before = None
+                        if conc is not None:
+                            if mb is not None:
+                                cloud.set_max_batch(mb)
+                            before = P.scrape_server(cloud.url)
+                        load.start()
+                        try:
+                            recs = asyncio.run(_run_cell(mcls, ctx, cell_reqs,
+                                                         lambda r: bar.advance(), sink))
+                        finally:
+                            load.stop()
+                            if conc is not None and mb is not None:
+                                cloud.set_max_batch(default_batch)
+                        m = _run_metrics(recs)
+                        if conc is not None:
+                            P.concurrent_metrics(
+                                m, [r.metrics for r in recs], concurrency=conc,
+                                profile=prof.name, edge_busy_s=sink.get("edge_busy_s"),
+                                server_before=before, server_after=P.scrape_server(cloud.url),
+                                link_delta=sink.get("link_delta"),
+                                server_max_batch=mb or default_batch)
+                        m["draft_slowed_calls"] = getattr(drafter, "slowed_calls", 0) - slowed0
+                        runs.append({"mode": mcls.name, "profile": plabel,
+                                     "workload": label, "metrics": m})
+                        for r in recs:
+                            records_out.append({
+                                "mode": mcls.name, "profile": plabel, "workload": label,
+                                "prompt_id": r.request.prompt_id, "seed": r.request.seed,
+                                "finish_reason": r.finish_reason, "token_ids": r.token_ids,
+                                "output_sha": _digest(r.token_ids), "metrics": r.metrics})
     finally:
         cloud.stop()
         os.sched_setaffinity(0, old_aff)
         torch.set_num_threads(old_threads)
 
-    ratios = report.compute_ratios(runs, ratio_specs([m.name for m in mode_classes]))
+    ratios = (report.compute_ratios(runs, ratio_specs([m.name for m in mode_classes]))
+              + P.pipeline_ratios(runs))
     config = {
         "target": _name(cfg.target), "draft": _name(draft_src),
         "modes": [m.name for m in mode_classes], "profiles": [p.to_dict() for p in profiles],
@@ -583,6 +686,13 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         "cloud_cpus": cloud_cpus, "edge_cpus": edge_cpus, "cloud_threads": cloud_threads,
         "edge_threads": edge_threads, "edge_slowdown": cfg.edge_slowdown,
         "slowdown_at_s": cfg.slowdown_at_s, "edge_load": cfg.edge_load,
+        "concurrency": _concurrency(cfg) if any(_is_concurrent(m) for m in mode_classes)
+        else None,
+        "concurrent_profiles": cfg.concurrent_profiles,
+        "concurrent_workloads": cfg.concurrent_workloads,
+        "concurrent_max_new_tokens": cfg.concurrent_max_new_tokens or cfg.max_new_tokens,
+        "server_max_batch_default": info.get("max_batch"),
+        "strongest_baseline": P.strongest_baselines(runs),
         "target_load_s": round(info["load_s"], 3), "draft_load_s": round(draft_load_s, 3),
         "greedy_outputs_identical": _greedy_identity(
             records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets}),
@@ -606,6 +716,7 @@ def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> li
              report.write_summary_md(results, out / "summary.md")]
     with open(paths[-1], "a", encoding="utf-8") as f:
         f.write(_extra_summary(results))
+        f.write(P.summary_md(results))
     paths += report.write_plots(results, out)
     req = out / "requests.jsonl"
     with open(req, "w", encoding="utf-8") as f:
