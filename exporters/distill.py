@@ -657,8 +657,8 @@ class DistillConfig:
     target: str = "smollm2-135m"
     out: str = "distilled-draft"
     work_dir: str = "distill-work"
-    layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
-    head_vocab: int = 0
+    layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 5])
+    head_vocab: int = 12288
     seed: int = 0
     threads: int = 1
     data_dtype: str = "bfloat16"
@@ -666,18 +666,18 @@ class DistillConfig:
     builtin_prompts: bool = True
     prompts_files: list[str] = field(default_factory=list)
     heldout_frac: float = 0.1
-    heldout_min: int = 8
+    heldout_min: int = 12
     max_prompt_tokens: int = 512
     max_new_tokens: int = 128
     gen_batch: int = 32
     samples_per_prompt: int = 1
     temperature: float = 0.8
     second_turns: bool = True
-    corpus_tokens: int = 100_000
+    corpus_tokens: int = 150_000
     corpus_dirs: list[str] = field(default_factory=list)
     chunk_tokens: int = 256
     topk: int = 64
-    epochs: float = 3.0
+    epochs: float = 4.0
     max_steps: int = 0
     batch_tokens: int = 2048
     lr: float = 5e-4
@@ -1199,9 +1199,9 @@ def _int_list(ctx, param, value):
               help="Output draft folder.")
 @click.option("--work-dir", default="distill-work", type=click.Path(file_okay=False),
               help="Cache of data shards and checkpoints; rerun to resume.")
-@click.option("--layers", default="0,1,2,3", callback=_int_list,
-              help="Target layers the draft's layers start from (e.g. 0,1,28,29).")
-@click.option("--head-vocab", default=0, type=int,
+@click.option("--layers", default="0,1,2,3,4,5", callback=_int_list,
+              help="Target layers the draft's layers start from (e.g. 0,1,2,3,28,29).")
+@click.option("--head-vocab", default=12288, type=int,
               help="Keep only the N most frequent ids in the draft head (0 = full vocab).")
 @click.option("--seed", default=0, type=int)
 @click.option("--threads", default=1, type=int, help="torch threads.")
@@ -1214,7 +1214,7 @@ def _int_list(ctx, param, value):
 @click.option("--prompts-file", "prompts_files", multiple=True, type=click.Path(dir_okay=False, exists=True),
               help="More prompts: .jsonl ({text|prompt|turns, kind}) or one per line.")
 @click.option("--heldout-frac", default=0.1, type=float, help="Held-out share per source.")
-@click.option("--heldout-min", default=8, type=int, help="Held-out prompts per source, at least.")
+@click.option("--heldout-min", default=12, type=int, help="Held-out prompts per source, at least.")
 @click.option("--max-new-tokens", default=128, type=int, help="Generated tokens per prompt.")
 @click.option("--gen-batch", default=32, type=int)
 @click.option("--samples-per-prompt", default=1, type=int,
@@ -1222,13 +1222,13 @@ def _int_list(ctx, param, value):
 @click.option("--temperature", default=0.8, type=float, help="For the sampled continuations.")
 @click.option("--second-turns/--no-second-turns", default=True,
               help="Also generate MT-Bench second-turn answers.")
-@click.option("--corpus-tokens", default=100_000, type=int,
+@click.option("--corpus-tokens", default=150_000, type=int,
               help="Teacher-forced tokens from local text files (0 = none).")
 @click.option("--corpus-dir", "corpus_dirs", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="Where to read that text (default: stdlib + site-packages).")
 @click.option("--chunk-tokens", default=256, type=int)
 @click.option("--topk", default=64, type=int, help="Teacher top-k kept per position.")
-@click.option("--epochs", default=3.0, type=float)
+@click.option("--epochs", default=4.0, type=float)
 @click.option("--max-steps", default=0, type=int, help="Stop after N steps (0 = epochs).")
 @click.option("--batch-tokens", default=2048, type=int)
 @click.option("--lr", default=5e-4, type=float)
