@@ -132,15 +132,19 @@ def _load_full(spec: ModelSpec):
 
 
 def truncate_layers(model, n: int):
-    """Keep the first ``n`` decoder layers (shares embedding, norm and head weights)."""
+    """Keep the first ``n`` decoder layers; shares the weights (embedding, layers, norm,
+    head) with ``model``, which stays intact. Raises ValueError for n outside 1..L."""
     if not 1 <= n <= model.config.num_hidden_layers:
         raise ValueError(f"truncate_layers={n} outside 1..{model.config.num_hidden_layers}")
     small = copy.copy(model)
-    small.model = copy.copy(model.model)
-    small.model.layers = torch.nn.ModuleList(list(model.model.layers[:n]))
+    small._modules = dict(model._modules)          # copy.copy would share the dict
+    inner = copy.copy(model.model)
+    inner._modules = dict(model.model._modules)
+    inner.layers = torch.nn.ModuleList(list(model.model.layers[:n]))
+    small.model = inner
     small.config = copy.deepcopy(model.config)
     small.config.num_hidden_layers = n
-    small.model.config = small.config
+    inner.config = small.config
     if getattr(small.config, "layer_types", None):
         small.config.layer_types = small.config.layer_types[:n]
     return small

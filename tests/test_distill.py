@@ -262,3 +262,16 @@ def test_committed_default_draft_beats_truncated_baseline():
     base = D.evaluate(trunc, paths, 4)
     assert ours["agreement"] > base["agreement"] + 0.1, (ours, base)
     assert ours["mean_accepted_length"] > base["mean_accepted_length"]
+
+
+def test_truncate_layers_leaves_the_original_intact():
+    from edge_sdk.models import truncate_layers
+    from tests.conftest import tiny_model
+
+    m = tiny_model(layers=4)
+    x = torch.tensor([[1, 2, 3]])
+    before = m(x).logits
+    small = truncate_layers(m, 2)
+    assert len(small.model.layers) == 2 and len(m.model.layers) == 4
+    assert torch.equal(m(x).logits, before)
+    assert not torch.equal(small(x).logits, before)
