@@ -19,7 +19,8 @@ from edge_sdk.bench.runner import QUICK, BenchConfig, run_bench
 from edge_sdk.bench.workloads import Prompt
 from tests.conftest import tiny_model, tiny_tokenizer
 
-CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent"]
+CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent",
+              "pipeline-standard"]
 PROMPTS = {"mini": [Prompt("mini/0", "mini", "w5 w9 w12 w3 w7", "completion"),
                     Prompt("mini/1", "mini", "w40 w41 w2 w2 w8 w30", "completion"),
                     Prompt("mini/2", "mini", "w17 w18 w19", "completion")]}
@@ -63,7 +64,7 @@ def bench_run(tmp_path_factory):
                       prompt_sets=PROMPTS,
                       # the tiny target verifies in ~1 ms: let the queue wait a little
                       # after the first block so arrived blocks of other requests batch
-                      server_kw={"max_wait_s": 0.02})
+                      server_kw={"max_wait_s": 0.05})
     t0 = time.perf_counter()
     results = run_bench(cfg, out, progress=False, log=lambda s: None)
     return results, out, time.perf_counter() - t0
@@ -78,7 +79,10 @@ def test_concurrent_modes_registered():
     assert MODES["pipeline"].server_max_batch(16, 8) >= 16       # re-batching on
     assert MODES["no-pipeline"].server_max_batch(16, 8) == 1     # no cross-request batch
     assert MODES["runahead"].server_max_batch(16, 8) == 1
-    assert MODES["standard-sd-concurrent"].server_max_batch(16, 8) == 16
+    assert MODES["standard-sd-concurrent"].server_max_batch(16, 8) == 1
+    assert MODES["pipeline-standard"].server_max_batch(16, 8) == 16
+    assert not MODES["pipeline-standard"].baseline
+    assert MODES["pipeline-standard"].client_mode == "standard"
     assert MODES["runahead"].client_kw == {"proactive": "npdg"}
 
 
@@ -100,6 +104,8 @@ def test_pipeline_bench_results_valid(bench_run):
         assert m["makespan_s"] < m["wall_s_total"]
         assert 0 < m["edge_utilisation"] <= 1.05 and m["edge_busy_s"] > 0
         assert 0 < m["cloud_utilisation"] <= 1.05
+        assert m["edge_cpu_s"] > 0 and m["cloud_cpu_s"] > 0
+        assert m["edge_cpu_utilisation"] > 0 and m["cloud_cpu_utilisation"] > 0
         assert m["server_target_passes"] > 0 and m["mean_batch_size"] >= 1
         assert m["target_passes_per_token"] == pytest.approx(
             m["server_target_passes"] / m["committed_tokens"])
@@ -107,15 +113,19 @@ def test_pipeline_bench_results_valid(bench_run):
         assert set(m["breakdown_s"]) == set(report.BREAKDOWN_PHASES)
     pipe, nop = runs["pipeline"]["metrics"], runs["no-pipeline"]["metrics"]
     assert pipe["server_max_batch"] == 4 and nop["server_max_batch"] == 1
-    assert nop["mean_batch_size"] == 1.0            # cloud batching off for the baseline
-    assert pipe["mean_batch_size"] > 1.5            # re-batched across requests
+    for b in P.CONCURRENT_BASELINES:                # no cross-request batching
+        assert runs[b]["metrics"]["server_max_batch"] == 1
+        assert runs[b]["metrics"]["mean_batch_size"] == 1.0
+    assert pipe["mean_batch_size"] > 1.3            # re-batched across requests
     assert pipe["target_passes_per_token"] < 1.0
     # a batched pass counts once: never more passes than verification rounds
     assert pipe["server_target_passes"] <= pipe["rounds"]
     ra = runs["runahead"]["metrics"]
     assert ra["proactive_hit_rate"] is not None and ra["runahead_wasted_tokens"] >= 0
-    assert runs["standard-sd-concurrent"]["metrics"]["uplink_bytes_per_token"] > \
-        10 * pipe["uplink_bytes_per_token"]
+    for full_q in ("standard-sd-concurrent", "pipeline-standard"):
+        assert runs[full_q]["metrics"]["uplink_bytes_per_token"] > \
+            10 * pipe["uplink_bytes_per_token"]
+    assert runs["pipeline-standard"]["metrics"]["mean_batch_size"] > 1.0
 
 
 def test_pipeline_greedy_equals_target_only(bench_run, tok):
@@ -265,7 +275,8 @@ def test_cli_quick_config(monkeypatch):
     r = CliRunner().invoke(bench, ["--quick", "--out", "/tmp/x", "--no-progress"])
     assert r.exit_code == 0, r.output
     cfg = seen[-1]
-    assert set(CONCURRENT) <= set(cfg.modes) and cfg.concurrency == [8]
+    assert {"pipeline", *P.CONCURRENT_BASELINES} <= set(cfg.modes)
+    assert cfg.concurrency == [8]
     assert cfg.concurrent_profiles == ["weak", "strong"]
     assert cfg.concurrent_max_new_tokens == 16 and cfg.max_new_tokens == 20
     r = CliRunner().invoke(bench, ["--quick", "--profiles", "lan", "--concurrency", "1,16",

@@ -20,7 +20,9 @@ flight, one shared draft worker; reported under the profile label ``<profile>@c<
 see :mod:`edge_sdk.bench.pipeline`):
 
 * ``pipeline`` — the confirmed-prefix pipeline: one client/scheduler, cloud re-batching.
-* ``no-pipeline``, ``runahead`` (NPDG), ``standard-sd-concurrent`` (baselines).
+* ``no-pipeline``, ``runahead`` (NPDG), ``standard-sd-concurrent`` (baselines: requests
+  run independently, no cross-request re-batching).
+* ``pipeline-standard`` — ablation: the pipeline with the full-q standard protocol.
 
 Adding a mode (CAAC, IPDG, a multi-request pipeline, ...)::
 
@@ -66,7 +68,7 @@ __all__ = [
     "MODES", "register_mode", "get_mode", "mode_names", "breakdown",
     "CloudARMode", "StandardSDMode", "SpecRelayMode", "CloudStreamClient",
     "ConcurrentMode", "PipelineMode", "NoPipelineMode", "RunaheadMode",
-    "StandardSDConcurrentMode", "TaggingTransport",
+    "StandardSDConcurrentMode", "PipelineStandardMode", "TaggingTransport",
 ]
 
 
@@ -599,9 +601,9 @@ class ConcurrentMode(BenchMode):
         from edge_sdk.client import EdgeClient
 
         c = self.ctx
-        kw = {**self.client_kw, **extra, **c.options.get("client", {})}
-        return EdgeClient(c.base_url, drafter, c.tokenizer, depth=c.depth, signer=c.signer,
-                          chat=False, transport=TaggingTransport(c.base_url, signer=c.signer),
+        kw = {"depth": c.depth, **self.client_kw, **extra, **c.options.get("client", {})}
+        return EdgeClient(c.base_url, drafter, c.tokenizer, signer=c.signer, chat=False,
+                          transport=TaggingTransport(c.base_url, signer=c.signer),
                           scheduler=scheduler, **kw)
 
     async def _make_lanes(self) -> list[_Lane]:
@@ -646,7 +648,7 @@ class ConcurrentMode(BenchMode):
         c = self.ctx
         out: list[RequestRecord | None] = [None] * len(reqs)
         todo = iter(enumerate(reqs))
-        busy0 = self.worker.busy_s
+        busy0, cpu0 = self.worker.busy_s, time.process_time()
         link0 = c.link_bytes() if c.link_bytes else None
 
         async def lane_loop(lane: _Lane) -> None:
@@ -663,7 +665,8 @@ class ConcurrentMode(BenchMode):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         recs = [r for r in out if r is not None]
-        self.cell_metrics = {"edge_busy_s": self.worker.busy_s - busy0}
+        self.cell_metrics = {"edge_busy_s": self.worker.busy_s - busy0,
+                             "edge_cpu_s": time.process_time() - cpu0}
         # link bytes: the emulator counts the whole run; each request gets the share of
         # the run's link bytes its message bodies carried (for its latency breakdown)
         body_up = sum(r.metrics["uplink_bytes"] for r in recs) or 1
@@ -700,6 +703,7 @@ class PipelineMode(ConcurrentMode):
     description = ("confirmed-prefix pipeline: C requests on one client/scheduler, "
                    "cloud re-batching (max batch >= C)")
     baseline = False
+    client_mode: ClassVar[str] = "asym"
 
     @classmethod
     def server_max_batch(cls, concurrency: int, default: int) -> int:
@@ -711,7 +715,7 @@ class PipelineMode(ConcurrentMode):
         sched = DraftScheduler(self.ctx.options.get("policy", "fifo"))
         sched.executor.shutdown(wait=False)
         sched.executor = self.worker            # the run's one (timed) draft worker
-        client = self._client(self.ctx.drafter, sched, mode="asym")
+        client = self._client(self.ctx.drafter, sched, mode=self.client_mode)
         return [_Lane(client)] + [_Lane(client, own=False)
                                   for _ in range(self.concurrency - 1)]
 
@@ -779,15 +783,31 @@ class RunaheadMode(_IndependentMode):
 
 @register_mode
 class StandardSDConcurrentMode(_IndependentMode):
-    """``standard-sd`` at concurrency C: C independent stop-and-wait requests with the
-    standard protocol (full draft distribution q uploaded per position, cloud draws the
-    corrections), one shared draft worker; the cloud batches whatever blocks coincide
-    (max batch C — the same server as the pipeline's; a canonical-SD client gets any
-    batching for free)."""
+    """``standard-sd`` at concurrency C: canonical edge-cloud speculative decoding for C
+    users — C independent stop-and-wait requests with the standard protocol (full draft
+    distribution q uploaded per position, cloud draws the corrections), one shared draft
+    worker, each block verified on its own (max batch 1: cross-request re-batching is
+    the pipeline's mechanism, AsymSpec §IV-C2; see ``pipeline-standard`` for the
+    pipeline with this protocol)."""
 
     name = "standard-sd-concurrent"
     description = ("baseline: standard-sd with C concurrent requests (full q uplink, "
-                   "one shared draft worker, cloud max batch C)")
+                   "one shared draft worker, no cloud batching)")
     baseline = True
     client_mode = "standard"
-    max_batch = "C"
+    max_batch = 1
+
+
+@register_mode
+class PipelineStandardMode(PipelineMode):
+    """Ablation: the confirmed-prefix pipeline (one client/scheduler, cloud re-batching,
+    max batch >= C) with the *standard* protocol (full q per draft position on the
+    uplink, cloud-drawn corrections) instead of the compact asymmetric one — what the
+    pipeline gains without AsymSpec's protocol (AsymSpec Table II, "No asymmetric
+    correction"). Not a baseline: it uses the pipeline's own mechanisms."""
+
+    name = "pipeline-standard"
+    description = ("ablation: the pipeline with the standard full-q protocol (cloud "
+                   "re-batching, max batch >= C)")
+    baseline = False
+    client_mode = "standard"

@@ -34,6 +34,10 @@ Run-level metrics added for concurrent runs (all in the run's ``metrics`` dict; 
 ``edge_utilisation`` edge_busy_s / makespan_s
 ``cloud_utilisation`` server target seconds / makespan_s (verification passes only; prompt
                      prefills are not in ``specrelay_target_seconds_total``)
+``edge_cpu_utilisation`` CPU seconds of the whole edge (bench) process — draft worker,
+                     event loop/HTTP client and the link emulator thread — / makespan_s
+``cloud_cpu_utilisation`` CPU seconds of the whole cloud process (target passes, prefills,
+                     HTTP server, msgpack) / makespan_s (Linux ``/proc``; else absent)
 ``runahead_wasted_tokens`` draft tokens drafted ahead of an unresolved block and thrown
                      away (NPDG misses); 0 for modes that never run ahead
 ``server_max_batch`` the cloud's max batch during the run
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import time
 import urllib.request
@@ -52,7 +57,7 @@ from typing import Iterable, Sequence
 
 __all__ = [
     "DEFAULT_CONCURRENCY", "CONCURRENT_BASELINES", "STRONGEST", "point_label", "split_point",
-    "BusyExecutor", "parse_prometheus", "scrape_server", "cell_prompts", "requests_per_cell",
+    "BusyExecutor", "process_cpu_s", "parse_prometheus", "scrape_server", "cell_prompts", "requests_per_cell",
     "concurrent_metrics", "pipeline_ratios", "strongest_baselines", "summary_md",
 ]
 
@@ -104,6 +109,19 @@ class BusyExecutor(ThreadPoolExecutor):
 
 
 # --------------------------------------------------------------------------- server counters
+
+
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system, all threads) of process ``pid`` (None: this one);
+    None when it cannot be read (no ``/proc``)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 _SERVER_SERIES = {
@@ -168,7 +186,9 @@ def cell_prompts(prompts: Sequence, n: int, more: Sequence | None = None) -> lis
 def concurrent_metrics(m: dict, per_request: Sequence[dict], *, concurrency: int,
                        profile: str, edge_busy_s: float | None,
                        server_before: dict | None, server_after: dict | None,
-                       link_delta: tuple[int, int] | None, server_max_batch: int | None) -> dict:
+                       link_delta: tuple[int, int] | None, server_max_batch: int | None,
+                       edge_cpu_s: float | None = None,
+                       cloud_cpu_s: float | None = None) -> dict:
     """Complete the ``report.aggregate`` metrics ``m`` of a concurrent cell (in place;
     also returned) with the fields of the module docstring."""
     n = m["committed_tokens"]
@@ -183,6 +203,10 @@ def concurrent_metrics(m: dict, per_request: Sequence[dict], *, concurrency: int
                                         for r in per_request),
              proactive_drafted_tokens=sum(int(r.get("proactive_drafted_tokens", 0) or 0)
                                           for r in per_request))
+    for key, cpu in (("edge", edge_cpu_s), ("cloud", cloud_cpu_s)):
+        if cpu is not None:
+            m[f"{key}_cpu_s"] = cpu
+            m[f"{key}_cpu_utilisation"] = cpu / span if span > 0 else None
     if edge_busy_s is not None:
         m["edge_busy_s"] = edge_busy_s
         m["edge_utilisation"] = edge_busy_s / span if span > 0 else None
@@ -242,7 +266,7 @@ def pipeline_ratios(runs: Sequence[dict], mode: str = "pipeline",
       best throughput among ``baselines`` at the same profile label (profile and
       concurrency), geometric mean over workloads — for every concurrent profile label;
     * ``target_passes_per_token`` of ``mode`` against the strongest baseline (reduction);
-    * the strong→weak change for every concurrent mode: metric ``throughput_tok_s``,
+    * the strong→weak change for every mode with concurrent runs: metric ``throughput_tok_s``,
       profile ``weak@cC``, baseline ``<mode>@strong@cC``, value = throughput on weak /
       throughput on strong (1.0 = unchanged; 0.95 = 5 % lower on the weak link).
     """
@@ -272,8 +296,8 @@ def pipeline_ratios(runs: Sequence[dict], mode: str = "pipeline",
             if vals:
                 rows.append({"metric": metric, "profile": prof, "mode": mode,
                              "baseline": STRONGEST, "value": _geomean(vals)})
-    modes = [m for m in dict.fromkeys(r["mode"] for r in runs)
-             if m == mode or m in baselines]
+    modes = list(dict.fromkeys(r["mode"] for r in runs
+                               if split_point(r["profile"])[1] is not None))
     for md in modes:
         for prof in profiles:
             p, c = split_point(prof)
@@ -307,16 +331,18 @@ def summary_md(results: dict) -> str:
     lines = ["", "## Concurrent runs (confirmed-prefix pipeline and baselines)", "",
              "profile = network profile @ c<concurrency>; throughput over the makespan; "
              "passes/tok from the server's counter (a batched pass counts once); edge util "
-             "= draft-worker busy s / makespan; cloud util = target s / makespan.", "",
+             "= draft-worker busy s / makespan; cloud util = target s / makespan; edge/cloud "
+             "CPU = CPU s of the whole edge/cloud process / makespan.", "",
              "| mode | profile | workload | requests | tok/s | passes/tok | mean batch | "
-             "edge util | cloud util | tokens/round | runahead wasted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "edge util | cloud util | edge CPU | cloud CPU | tokens/round | runahead wasted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m = r["metrics"]
         lines.append(f"| {r['mode']} | {r['profile']} | {r['workload']} | {m['n_requests']} | "
                      f"{f(m['throughput_tok_s'])} | {f(m['target_passes_per_token'], '{:.3f}')} | "
                      f"{f(m.get('mean_batch_size'))} | {f(m.get('edge_utilisation'))} | "
-                     f"{f(m.get('cloud_utilisation'))} | {f(m['mean_accepted_length'])} | "
+                     f"{f(m.get('cloud_utilisation'))} | {f(m.get('edge_cpu_utilisation'))} | "
+                     f"{f(m.get('cloud_cpu_utilisation'))} | {f(m['mean_accepted_length'])} | "
                      f"{m.get('runahead_wasted_tokens', 0)} |")
     sb = results.get("config", {}).get("strongest_baseline") or {}
     if sb:

@@ -643,6 +643,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                             if mb is not None:
                                 cloud.set_max_batch(mb)
                             before = P.scrape_server(cloud.url)
+                            cloud_cpu0 = P.process_cpu_s(info["pid"])
                         load.start()
                         try:
                             recs = asyncio.run(_run_cell(mcls, ctx, cell_reqs,
@@ -653,12 +654,16 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                                 cloud.set_max_batch(default_batch)
                         m = _run_metrics(recs)
                         if conc is not None:
+                            cloud_cpu1 = P.process_cpu_s(info["pid"])
                             P.concurrent_metrics(
                                 m, [r.metrics for r in recs], concurrency=conc,
                                 profile=prof.name, edge_busy_s=sink.get("edge_busy_s"),
                                 server_before=before, server_after=P.scrape_server(cloud.url),
                                 link_delta=sink.get("link_delta"),
-                                server_max_batch=mb or default_batch)
+                                server_max_batch=mb or default_batch,
+                                edge_cpu_s=sink.get("edge_cpu_s"),
+                                cloud_cpu_s=(None if cloud_cpu0 is None or cloud_cpu1 is None
+                                             else cloud_cpu1 - cloud_cpu0))
                         m["draft_slowed_calls"] = getattr(drafter, "slowed_calls", 0) - slowed0
                         runs.append({"mode": mcls.name, "profile": plabel,
                                      "workload": label, "metrics": m})
