@@ -61,7 +61,7 @@ def _cpus(value: str | None) -> list[int] | None:
               help="Draft depth gamma for fixed-depth modes (tokens per block).")
 @click.option("--concurrency", default=None, help="Comma list of concurrency values, e.g. "
               "'1,4,8,16': each concurrent mode (pipeline, no-pipeline, runahead, "
-              "standard-sd-concurrent) runs once per value, reported under the profile "
+              "standard-sd-concurrent, pipeline-standard) runs once per value, reported under the profile "
               "label <profile>@c<C>, with C*ceil(prompts/C) requests [default: 8]. "
               "Sequential modes ignore it.")
 @click.option("--target", default="smollm2-135m", show_default=True, help="Target model.")
@@ -87,8 +87,8 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
 def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new_tokens, seed,
-          depth, concurrency, target, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus, edge_cpus,
-          cloud_threads, edge_threads, insecure_no_auth, no_warmup, no_progress, list_modes):
+          depth, concurrency, target, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus,
+          edge_cpus, cloud_threads, edge_threads, insecure_no_auth, no_warmup, no_progress, list_modes):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
     The cloud (target) runs in its own process pinned to one core, the edge (draft +

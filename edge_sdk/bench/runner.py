@@ -89,7 +89,8 @@ class BenchConfig:
         server_kw: extra ``create_app``/``CloudService`` options (max_batch, ...).
         mode_options: per-mode options (``EdgeContext.options``), by mode name.
         concurrency: requests in flight for the concurrent modes (``pipeline``,
-            ``no-pipeline``, ``runahead``, ``standard-sd-concurrent``); each runs once
+            ``no-pipeline``, ``runahead``, ``standard-sd-concurrent``,
+            ``pipeline-standard``: ``concurrent = True``); each runs once
             per value, reported under the profile label ``<profile>@c<C>``, with
             ``C * ceil(prompts / C)`` requests per cell. None: [8]. Sequential modes
             ignore it.
@@ -220,9 +221,7 @@ def _server_main(conn, target, dtype: str, cpus, threads: int, auth: bool,
 async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -> None:
     from aiohttp import web
 
-    from cloud_api.app import create_app
-
-    from cloud_api.app import SERVICE
+    from cloud_api.app import SERVICE, create_app
 
     app = create_app(model, tok, key_store=store, threads=threads, **server_kw)
     runner = web.AppRunner(app, handle_signals=False)
