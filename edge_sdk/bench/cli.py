@@ -38,11 +38,13 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out",
               show_default=True, help="Output folder: results.json, summary.md, *.png, "
               "requests.jsonl.")
-@click.option("--quick", is_flag=True, help="A few-minute run: modes cloud-ar, standard-sd, "
-              "specrelay; profiles weak, cellular-edge, strong; 1 greedy prompt per workload; "
-              "20 new tokens; plus the pipeline and its baselines (no-pipeline, runahead, "
-              "standard-sd-concurrent) at 8 concurrent requests x 16 tokens on mtbench, "
-              "weak and strong. Explicit options override these.")
+@click.option("--quick", is_flag=True, help="A ~10-minute run: modes cloud-ar, standard-sd, "
+              "specrelay on profiles weak, cellular-edge, strong; 1 greedy prompt per "
+              "workload; 20 new tokens; the adaptive modes (caac, fixed-1/2/4, "
+              "stop-and-wait, ipdg, npdg) on humaneval over medium and medium+slow (3x "
+              "slower draft from 1.5 s into each run); the pipeline and its baselines "
+              "(no-pipeline, runahead, standard-sd-concurrent) at 8 concurrent requests x "
+              "16 tokens on mtbench, weak and strong. Explicit options override these.")
 @click.option("--modes", default=None, help="Comma list of modes "
               f"[default: {_DEFAULTS['modes']}]. See --list-modes.")
 @click.option("--profiles", default=None,
@@ -68,7 +70,9 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--draft", default=None,
               help="Draft model (default: the trained draft if present, else smollm2-135m@4).")
 @click.option("--edge-slowdown", type=click.FloatRange(1.0), default=1.0, show_default=True,
-              help="Edge contention: each draft forward takes FACTOR times as long ...")
+              help="Edge contention: each draft forward takes FACTOR times as long ... "
+              "(with '<profile>+slow' profiles, e.g. 'medium,medium+slow', only those are "
+              "contended, and FACTOR defaults to 3)")
 @click.option("--slowdown-at", type=click.FloatRange(0.0), default=0.0, show_default=True,
               help="... from this many seconds after the start of each run.")
 @click.option("--edge-load", type=click.IntRange(0), default=0, show_default=True,
@@ -107,7 +111,7 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
     preset = dict(_DEFAULTS)
     if quick:
         preset.update({k: (",".join(map(str, v)) if isinstance(v, list) else v)
-                       for k, v in QUICK.items()})
+                       for k, v in QUICK.items() if k in _DEFAULTS})
     opts = dict(modes=modes, profiles=profiles, workloads=workloads, sampling=sampling,
                 prompts=prompts, max_new_tokens=max_new_tokens)
     opts = {k: (preset[k] if v is None else v) for k, v in opts.items()}
@@ -119,7 +123,13 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
                        concurrent_profiles=(None if profiles is not None
                                             else QUICK["concurrent_profiles"]),
                        concurrent_workloads=(None if workloads is not None
-                                             else QUICK["concurrent_workloads"]))
+                                             else QUICK["concurrent_workloads"]),
+                       mode_profiles=(None if profiles is not None or modes is not None
+                                      else QUICK["mode_profiles"]),
+                       mode_workloads=(None if workloads is not None or modes is not None
+                                       else QUICK["mode_workloads"]))
+        if edge_slowdown == 1.0 and slowdown_at == 0.0:
+            edge_slowdown, slowdown_at = QUICK["edge_slowdown"], QUICK["slowdown_at_s"]
     try:
         if concurrency is not None:
             vals = _csv(concurrency)

@@ -467,6 +467,8 @@ class _AdaptiveMode(_SpeculativeMode):
 
     client_kw: ClassVar[dict] = {}
     ngram: ClassVar[bool] = False
+    fixed_depth: ClassVar[int | None] = None
+    adaptive: ClassVar[bool] = True         # compared by edge_sdk.bench.adaptive only
 
     async def open(self) -> None:
         from edge_sdk.client import EdgeClient
@@ -483,7 +485,8 @@ class _AdaptiveMode(_SpeculativeMode):
 
             drafter = NgramDrafter(base=drafter)
         self.transport = RecordingTransport(c.base_url, signer=c.signer)
-        self.client = EdgeClient(c.base_url, drafter, c.tokenizer, depth=c.depth,
+        self.client = EdgeClient(c.base_url, drafter, c.tokenizer,
+                                 depth=self.fixed_depth or c.depth,
                                  mode="asym", signer=c.signer, chat=False,
                                  transport=self.transport, **kw)
 
@@ -497,7 +500,7 @@ class HeuristicMode(_AdaptiveMode):
 
 @register_mode
 class CAACMode(_AdaptiveMode):
-    name = "sr-caac"
+    name = "caac"
     description = "specrelay, CAAC depth controller (RAPID), stop-and-wait"
     client_kw = {"controller": "caac"}
 
@@ -517,17 +520,45 @@ class RapidMode(_AdaptiveMode):
 
 
 @register_mode
-class NPDGMode(_AdaptiveMode):
+class RapidNPDGMode(_AdaptiveMode):
     name = "rapid-npdg"
     description = "specrelay, CAAC + NPDG (non-interruptible proactive baseline)"
     client_kw = {"controller": "caac", "proactive": "npdg"}
 
 
 @register_mode
-class IPDGFixedMode(_AdaptiveMode):
-    name = "sr-ipdg"
-    description = "specrelay, fixed depth + IPDG (proactive drafting alone)"
+class IPDGMode(_AdaptiveMode):
+    name = "ipdg"
+    description = "specrelay, fixed depth --depth + IPDG (interruptible proactive drafting)"
     client_kw = {"proactive": "ipdg"}
+
+
+@register_mode
+class NPDGMode(_AdaptiveMode):
+    name = "npdg"
+    description = ("baseline: fixed depth --depth + NPDG (proactive drafting that runs to "
+                   "its planned depth whatever the verdict)")
+    baseline = True
+    client_kw = {"proactive": "npdg"}
+
+
+@register_mode
+class StopAndWaitMode(_AdaptiveMode):
+    name = "stop-and-wait"
+    description = ("baseline: fixed depth --depth, no proactive drafting (the edge idles "
+                   "while a block is verified)")
+    baseline = True
+
+
+def _fixed_mode(n: int) -> type:
+    cls = type(f"Fixed{n}Mode", (_AdaptiveMode,), {
+        "name": f"fixed-{n}", "fixed_depth": n, "baseline": True,
+        "description": f"baseline: stop-and-wait at depth {n} (candidates for best-fixed)",
+        "__doc__": f"Stop-and-wait at fixed depth {n}, whatever --depth says."})
+    return register_mode(cls)
+
+
+FIXED_DEPTH_MODES = [_fixed_mode(n) for n in range(1, 9)]
 
 
 @register_mode

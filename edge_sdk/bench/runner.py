@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from edge_sdk.bench import adaptive as A
 from edge_sdk.bench import pipeline as P
 from edge_sdk.bench import report
 from edge_sdk.bench.linkem import PROFILES, LinkEmulatorThread, Profile
@@ -127,17 +128,27 @@ class BenchConfig:
     concurrent_profiles: list | None = None
     concurrent_workloads: list | None = None
     concurrent_max_new_tokens: int | None = None
+    mode_profiles: dict | None = None
+    mode_workloads: dict | None = None
 
 
-QUICK = dict(modes=["cloud-ar", "standard-sd", "specrelay", "pipeline", "no-pipeline",
-                    "runahead", "standard-sd-concurrent"],
-             profiles=["weak", "cellular-edge", "strong"], workloads=["mtbench", "humaneval"],
+_QUICK_BASIC = ["cloud-ar", "standard-sd", "specrelay"]
+_QUICK_ADAPTIVE = ["caac", "fixed-1", "fixed-2", "fixed-4", "stop-and-wait", "ipdg", "npdg"]
+QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + ["pipeline", "no-pipeline", "runahead",
+                                                     "standard-sd-concurrent"],
+             profiles=["weak", "cellular-edge", "strong", "medium", "medium+slow"],
+             workloads=["mtbench", "humaneval"],
              sampling=["greedy"], prompts=1, max_new_tokens=20, concurrency=[8],
              concurrent_profiles=["weak", "strong"], concurrent_workloads=["mtbench"],
-             concurrent_max_new_tokens=16)
+             concurrent_max_new_tokens=16, edge_slowdown=3.0, slowdown_at_s=1.5,
+             mode_profiles={**{m: ["weak", "cellular-edge", "strong"] for m in _QUICK_BASIC},
+                            **{m: ["medium", "medium+slow"] for m in _QUICK_ADAPTIVE}},
+             mode_workloads={m: ["humaneval"] for m in _QUICK_ADAPTIVE})
 """``--quick`` settings: one greedy prompt per workload, 20 tokens, three profiles for the
-sequential modes; the confirmed-prefix pipeline and its baselines at 8 concurrent
-requests x 16 tokens (mtbench; weak and strong). Under 10 minutes on 2 CPU cores."""
+basic modes; the adaptive modes (CAAC, fixed depths 1/2/4, IPDG, NPDG, stop-and-wait) on
+humaneval over ``medium`` and ``medium+slow`` (3x slower draft forwards from 1.5 s into
+each run); the confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16
+tokens (mtbench; weak and strong). About 10 minutes on 2 quiet CPU cores."""
 
 
 def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
@@ -145,6 +156,7 @@ def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
     the run, for ``throughput_tok_s`` (higher is better) and, against ``standard-sd``,
     ``uplink_bytes_per_token`` (lower is better)."""
     specs = []
+    modes = [m for m in modes if not getattr(get_mode(m), "adaptive", False)]
     base = [m for m in modes if get_mode(m).baseline]
     for m in modes:
         if get_mode(m).baseline:
@@ -407,6 +419,12 @@ class SlowdownDrafter(Drafter):
     def cache_len(self) -> int:
         return self.inner.cache_len()
 
+    def fork(self) -> "SlowdownDrafter":
+        """A fork of the inner drafter under the same contention clock."""
+        f = SlowdownDrafter(self.inner.fork(), self.factor, self.at_s, self.clock)
+        f.t0 = self.t0
+        return f
+
 
 class EdgeLoad:
     """``n`` busy-loop processes pinned to ``cpus`` (competing edge workloads), started
@@ -467,12 +485,17 @@ def _sampling(name: str):
 
 
 def _profile(p) -> Profile:
+    """A profile by name; ``<name>+slow`` is that link under edge contention
+    (:mod:`edge_sdk.bench.adaptive`)."""
     if isinstance(p, Profile):
         return p
+    base, slow = A.split_contention(p)
     try:
-        return PROFILES[p]
+        prof = PROFILES[base]
     except KeyError:
-        raise ValueError(f"unknown profile {p!r}; choose from {list(PROFILES)}") from None
+        raise ValueError(f"unknown profile {p!r}; choose from {list(PROFILES)} "
+                         f"(+ '{A.SLOW_SUFFIX}' for the edge-contention variant)") from None
+    return dataclasses.replace(prof, name=p) if slow else prof
 
 
 def _requests(tok, prompts: list[Prompt], label: str, seed: int) -> list[BenchRequest]:
@@ -527,11 +550,15 @@ def _jobs(cfg: BenchConfig, mode_classes, profiles, cells, prompt_sets, tok, req
     max_new_c = cfg.concurrent_max_new_tokens or cfg.max_new_tokens
     cprof = set(cfg.concurrent_profiles) if cfg.concurrent_profiles else None
     cwork = set(cfg.concurrent_workloads) if cfg.concurrent_workloads else None
+    mprof, mwork = cfg.mode_profiles or {}, cfg.mode_workloads or {}
     more: dict = {}
     jobs = []
     for prof in profiles:
         for (w, s) in cells:
             for mcls in mode_classes:
+                if (mcls.name in mprof and prof.name not in mprof[mcls.name]) or \
+                        (mcls.name in mwork and w not in mwork[mcls.name]):
+                    continue
                 if not _is_concurrent(mcls):
                     jobs.append((prof.name, w, s, mcls, None, reqs[(w, s)],
                                  cfg.max_new_tokens))
@@ -602,8 +629,17 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         from edge_sdk.drafters.torch import TorchDrafter
 
         base_drafter = TorchDrafter(dmodel)
-        drafter = (SlowdownDrafter(base_drafter, cfg.edge_slowdown, cfg.slowdown_at_s)
-                   if cfg.edge_slowdown > 1.0 else base_drafter)
+        # contention: only the "+slow" profile variants when the run has any, else all
+        variants = any(A.split_contention(p.name)[1] for p in profiles)
+        factor = (cfg.edge_slowdown if cfg.edge_slowdown > 1.0 else
+                  A.DEFAULT_SLOWDOWN if variants else 1.0)
+        slowed = (SlowdownDrafter(base_drafter, factor, cfg.slowdown_at_s)
+                  if factor > 1.0 else base_drafter)
+
+        def contended(pname: str) -> bool:
+            return factor > 1.0 and (not variants or A.split_contention(pname)[1])
+
+        drafter = base_drafter
         info = cloud.wait_ready()
         signer = cloud.signer()
         log(f"cloud ready on port {info['port']} (target loaded in {info['load_s']:.1f} s; "
@@ -621,6 +657,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                 with LinkEmulatorThread("127.0.0.1", info["port"], prof, seed=cfg.seed) as em:
                     stats = em.stats
                     link = (lambda st=stats: (st.uplink_bytes, st.downlink_bytes))
+                    drafter = slowed if contended(prof.name) else base_drafter
                     for (_, w, s, mcls, conc, cell_reqs, max_new) in (
                             j for j in jobs if j[0] == prof.name):
                         label = _label(w, s, cfg.sampling)
@@ -631,7 +668,8 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                             drafter if mcls.needs_drafter else None, signer, prof,
                             samplings[s], max_new, cfg.depth, link,
                             dict(cfg.mode_options.get(mcls.name, {})), conc or 1)
-                        load = EdgeLoad(cfg.edge_load, edge_cpus, cfg.slowdown_at_s)
+                        load = EdgeLoad(cfg.edge_load if contended(prof.name) else 0,
+                                        edge_cpus, cfg.slowdown_at_s)
                         if isinstance(drafter, SlowdownDrafter):
                             drafter.restart_clock()
                         slowed0 = getattr(drafter, "slowed_calls", 0)
@@ -664,6 +702,10 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                                 cloud_cpu_s=(None if cloud_cpu0 is None or cloud_cpu1 is None
                                              else cloud_cpu1 - cloud_cpu0))
                         m["draft_slowed_calls"] = getattr(drafter, "slowed_calls", 0) - slowed0
+                        per = [r.metrics for r in recs]
+                        m.update(A.proactive_timing(per), **A.depth_summary(per))
+                        m["proactive_late_steps"] = sum(p.get("proactive_late_steps", 0)
+                                                        for p in per)
                         runs.append({"mode": mcls.name, "profile": plabel,
                                      "workload": label, "metrics": m})
                         for r in recs:
@@ -678,7 +720,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         torch.set_num_threads(old_threads)
 
     ratios = (report.compute_ratios(runs, ratio_specs([m.name for m in mode_classes]))
-              + P.pipeline_ratios(runs))
+              + A.adaptive_ratios(runs) + P.pipeline_ratios(runs))
     config = {
         "target": _name(cfg.target), "draft": _name(draft_src),
         "modes": [m.name for m in mode_classes], "profiles": [p.to_dict() for p in profiles],
@@ -688,8 +730,10 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         "max_new_tokens": cfg.max_new_tokens, "depth": cfg.depth, "seed": cfg.seed,
         "dtype": cfg.dtype, "auth": cfg.auth,
         "cloud_cpus": cloud_cpus, "edge_cpus": edge_cpus, "cloud_threads": cloud_threads,
-        "edge_threads": edge_threads, "edge_slowdown": cfg.edge_slowdown,
+        "edge_threads": edge_threads, "edge_slowdown": factor,
         "slowdown_at_s": cfg.slowdown_at_s, "edge_load": cfg.edge_load,
+        "contended_profiles": [p.name for p in profiles if contended(p.name)],
+        "best_fixed": A.best_fixed(runs),
         "concurrency": _concurrency(cfg) if any(_is_concurrent(m) for m in mode_classes)
         else None,
         "concurrent_profiles": cfg.concurrent_profiles,
@@ -720,6 +764,7 @@ def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> li
              report.write_summary_md(results, out / "summary.md")]
     with open(paths[-1], "a", encoding="utf-8") as f:
         f.write(_extra_summary(results))
+        f.write(A.summary_md(results))
         f.write(P.summary_md(results))
     paths += report.write_plots(results, out)
     req = out / "requests.jsonl"

@@ -1,0 +1,146 @@
+"""Adaptive-drafting bench group (issue #5): best-fixed / IPDG / NPDG ratios, the
+``+slow`` contention variants and the ``--quick`` preset.
+
+The runner test uses tiny random models (conftest) through the real cloud process,
+link emulator and HTTP API.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from edge_sdk.bench import adaptive as A
+from edge_sdk.bench import report
+from edge_sdk.bench.linkem import Profile
+from edge_sdk.bench.runner import QUICK, BenchConfig, _profile, run_bench
+from tests.test_bench_runner import PROMPTS, tiny_draft, tiny_target
+
+
+def _run(mode, prof, w, **m):
+    return {"mode": mode, "profile": prof, "workload": w, "metrics": m}
+
+
+def test_split_contention_and_profile_variant():
+    assert A.split_contention("medium+slow") == ("medium", True)
+    assert A.split_contention("medium") == ("medium", False)
+    p = _profile("weak+slow")
+    assert p.name == "weak+slow" and p.rtt_s == _profile("weak").rtt_s
+    with pytest.raises(ValueError, match="unknown profile"):
+        _profile("nowhere+slow")
+
+
+def test_best_fixed_and_ratio_orientation():
+    runs = [
+        _run("fixed-1", "p", "a", throughput_tok_s=5.0),
+        _run("fixed-4", "p", "a", throughput_tok_s=8.0),
+        _run("stop-and-wait", "p", "a", throughput_tok_s=6.0, tpot_s=0.2,
+             wasted_draft_tokens=30),
+        _run("caac", "p", "a", throughput_tok_s=10.0),
+        _run("ipdg", "p", "a", tpot_s=0.1, wasted_draft_tokens=10),
+        _run("npdg", "p", "a", tpot_s=0.12, wasted_draft_tokens=40),
+        _run("fixed-2", "q", "a", throughput_tok_s=3.0),
+        _run("caac", "q", "a", throughput_tok_s=1.5),
+        _run("ipdg", "q", "a", tpot_s=0.1, wasted_draft_tokens=0),   # zero: skipped
+        _run("npdg", "q", "a", tpot_s=0.1, wasted_draft_tokens=4),
+    ]
+    bf = A.best_fixed(runs)
+    assert bf["p|a"] == {"mode": "fixed-4", "value": 8.0}
+    assert bf["q|a"]["mode"] == "fixed-2"
+    rows = {(r["metric"], r["profile"], r["mode"], r["baseline"]): r["value"]
+            for r in A.adaptive_ratios(runs)}
+    assert rows[("throughput_tok_s", "p", "caac", "best-fixed")] == pytest.approx(1.25)
+    assert rows[("throughput_tok_s", "q", "caac", "best-fixed")] == pytest.approx(0.5)
+    assert rows[("wasted_draft_tokens", "p", "ipdg", "npdg")] == pytest.approx(4.0)
+    assert ("wasted_draft_tokens", "q", "ipdg", "npdg") not in rows
+    assert rows[("tpot_s", "p", "ipdg", "stop-and-wait")] == pytest.approx(2.0)
+
+
+def test_best_fixed_geomean_over_workloads():
+    runs = [_run("fixed-1", "p", "a", throughput_tok_s=4.0),
+            _run("fixed-2", "p", "b", throughput_tok_s=4.0),
+            _run("caac", "p", "a", throughput_tok_s=8.0),
+            _run("caac", "p", "b", throughput_tok_s=2.0)]
+    (row,) = [r for r in A.adaptive_ratios(runs) if r["mode"] == "caac"]
+    assert row["value"] == pytest.approx(1.0)
+
+
+def test_proactive_timing_and_depths():
+    per = [{"round_trace": [{"t_ready": 0.10, "t_response": 0.15},
+                            {"t_ready": 0.30, "t_response": 0.20},
+                            {"t_ready": None, "t_response": 0.4}],
+            "depth_hist": [4, 2, 2]},
+           {"round_trace": [{"t_ready": 0.5, "t_response": 0.5}], "depth_hist": [1, 0]}]
+    t = A.proactive_timing(per)
+    assert t["proactive_phases"] == 3
+    assert t["proactive_ready_before_response"] == pytest.approx(2 / 3)
+    assert t["proactive_ready_minus_response_s"] == pytest.approx(0.0)
+    assert A.proactive_timing([{"round_trace": []}]) == {}
+    d = A.depth_summary(per)
+    assert d["depth_mean"] == pytest.approx(9 / 4)
+    assert d["depth_counts"] == {"0": 1, "1": 1, "2": 2, "4": 1}
+
+
+def test_quick_preset_has_the_adaptive_group():
+    for m in ("caac", "ipdg", "npdg", "stop-and-wait"):
+        assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium", "medium+slow"]
+    assert sum(m.startswith("fixed-") for m in QUICK["modes"]) >= 2
+    assert QUICK["edge_slowdown"] > 1 and QUICK["slowdown_at_s"] > 0
+    assert {"medium", "medium+slow"} <= set(QUICK["profiles"])
+
+
+def test_cli_quick_passes_the_adaptive_settings(monkeypatch):
+    from click.testing import CliRunner
+
+    from edge_sdk.bench import runner
+    from edge_sdk.bench.cli import bench
+
+    seen = []
+    monkeypatch.setattr(runner, "run_bench", lambda cfg, out_dir, progress=True, log=None:
+                        seen.append(cfg) or {"config": {}, "runs": [], "ratios": []})
+    r = CliRunner().invoke(bench, ["--quick", "--out", "/tmp/x", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    cfg = seen[-1]
+    assert cfg.edge_slowdown == QUICK["edge_slowdown"]
+    assert cfg.mode_profiles["caac"] == ["medium", "medium+slow"]
+    assert cfg.mode_profiles["cloud-ar"] == ["weak", "cellular-edge", "strong"]
+    r = CliRunner().invoke(bench, ["--quick", "--modes", "caac,fixed-1", "--edge-slowdown",
+                                   "2", "--out", "/tmp/x", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1].mode_profiles is None and seen[-1].edge_slowdown == 2.0
+
+
+def test_adaptive_group_through_the_runner(tmp_path):
+    """caac / fixed depths / ipdg / npdg / stop-and-wait on a link and its ``+slow``
+    variant: only the variant is contended, the ratio rows the issue names are in
+    results.json, proactive timing is reported, greedy outputs are identical."""
+    lan = Profile("lan", 200e6, 200e6, rtt_s=0.01)
+    slow = Profile("lan+slow", 200e6, 200e6, rtt_s=0.01)
+    cfg = BenchConfig(modes=["caac", "fixed-1", "fixed-2", "stop-and-wait", "ipdg", "npdg"],
+                      profiles=[lan, slow], sampling=["greedy"], max_new_tokens=10, depth=3,
+                      target=tiny_target, draft=tiny_draft, prompt_sets=PROMPTS,
+                      edge_slowdown=4.0, slowdown_at_s=0.0, warmup=False)
+    results = run_bench(cfg, tmp_path, progress=False, log=lambda s: None)
+    report.validate_results(report.load_results(tmp_path / "results.json"))
+    runs = {(r["mode"], r["profile"]): r["metrics"] for r in results["runs"]}
+    assert len(runs) == 12
+    for (mode, prof), m in runs.items():
+        assert (m["draft_slowed_calls"] > 0) == (prof == "lan+slow"), (mode, prof)
+        assert m["committed_tokens"] > 0
+    for prof in ("lan", "lan+slow"):
+        assert set(runs[("fixed-1", prof)]["depth_counts"]) <= {"0", "1"}
+        assert runs[("fixed-1", prof)]["depth_mean"] == 1.0
+        assert runs[("ipdg", prof)]["proactive_phases"] > 0
+        assert 0 <= runs[("ipdg", prof)]["proactive_ready_before_response"] <= 1
+        assert runs[("stop-and-wait", prof)].get("proactive_phases") is None
+    keys = {(r["metric"], r["mode"], r["baseline"]) for r in results["ratios"]}
+    assert ("throughput_tok_s", "caac", "best-fixed") in keys
+    assert ("tpot_s", "ipdg", "stop-and-wait") in keys
+    assert not any(r["mode"] == "caac" and r["baseline"] == "fixed-1" for r in results["ratios"])
+    assert results["config"]["contended_profiles"] == ["lan+slow"]
+    assert set(results["config"]["best_fixed"]) == {"lan|mini", "lan+slow|mini"}
+    assert results["config"]["greedy_outputs_identical"] is True
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Adaptive drafting" in summary and "Best fixed depth" in summary
+    assert os.path.exists(tmp_path / "requests.jsonl")
