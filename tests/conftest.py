@@ -4,6 +4,7 @@ real verification server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -74,3 +75,65 @@ def server(target, tok):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+class RawHTTP:
+    """Synchronous raw-request client over one aiohttp ClientSession (for tests that
+    send hand-made bodies and read status + bytes). ``signer``: default request signer;
+    ``created`` sessions are deleted by :meth:`cleanup`/:meth:`close`."""
+
+    def __init__(self, base: str, signer=None):
+        self.base, self.signer = base, signer
+        self.loop, self.s = asyncio.new_event_loop(), None
+        self.created: list = []
+
+    def __call__(self, method, path, body: bytes = b"", ctype=None, signer=None,
+                 headers=None):
+        import aiohttp
+
+        from edge_sdk.transport import MSGPACK
+
+        signer = signer or self.signer
+
+        async def go():
+            if self.s is None:
+                self.s = aiohttp.ClientSession()
+            h = {"content-type": ctype or MSGPACK} if body else {}
+            if signer is not None:
+                h.update(signer.headers(method, path, body))
+            h.update(headers or {})
+            async with self.s.request(method, self.base + path, data=body or None,
+                                      headers=h) as r:
+                return r.status, await r.read()
+        return self.loop.run_until_complete(go())
+
+    def create(self, **body) -> dict:
+        from edge_sdk.protocol import wire
+
+        st, data = self("POST", "/v1/sessions", wire.pack(body))
+        assert st == 201, data
+        info = wire.unpack(data)
+        self.created.append(info["session_id"])
+        return info
+
+    def cleanup(self):
+        """Delete the sessions this client created (sessions are limited per key)."""
+        while self.created:
+            self("DELETE", f"/v1/sessions/{self.created.pop()}")
+
+    def state(self, sid) -> dict:
+        st, data = self("GET", f"/v1/sessions/{sid}")
+        assert st == 200, data
+        return json.loads(data)
+
+    def sessions(self) -> int:
+        return json.loads(self("GET", "/healthz")[1])["sessions"]
+
+    def verify(self, sid, body: bytes):
+        return self("POST", f"/v1/sessions/{sid}/verify", body)
+
+    def close(self):
+        self.cleanup()
+        if self.s is not None:
+            self.loop.run_until_complete(self.s.close())
+        self.loop.close()

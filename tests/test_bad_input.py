@@ -9,12 +9,10 @@ saw the bad input.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from typing import Callable
 
-import aiohttp
 import numpy as np
 import pytest
 
@@ -22,6 +20,7 @@ from cloud_api.app import create_app
 from cloud_api.server import BackgroundServer
 from edge_sdk.protocol import wire
 from edge_sdk.protocol.sampling import SamplingConfig
+from tests.conftest import RawHTTP as HTTP
 
 MSGPACK = "application/x-msgpack"
 JSON = "application/json"
@@ -33,53 +32,6 @@ T1 = SamplingConfig(temperature=1.0)
 TK8 = SamplingConfig(temperature=1.0, top_k=8)
 
 
-class HTTP:
-    """Synchronous wrapper around one aiohttp ClientSession (raw requests)."""
-
-    def __init__(self, base: str, signer=None):
-        self.base, self.signer = base, signer
-        self.loop, self.s = asyncio.new_event_loop(), None
-        self.created: list = []
-
-    def __call__(self, method, path, body: bytes = b"", ctype=MSGPACK, signer=None):
-        signer = signer or self.signer
-
-        async def go():
-            if self.s is None:
-                self.s = aiohttp.ClientSession()
-            h = {"content-type": ctype} if body else {}
-            if signer is not None:
-                h.update(signer.headers(method, path, body))
-            async with self.s.request(method, self.base + path, data=body or None,
-                                      headers=h) as r:
-                return r.status, await r.read()
-        return self.loop.run_until_complete(go())
-
-    def create(self, **body) -> dict:
-        st, data = self("POST", "/v1/sessions", wire.pack(body))
-        assert st == 201, data
-        info = wire.unpack(data)
-        self.created.append(info["session_id"])
-        return info
-
-    def cleanup(self):
-        """Delete the sessions this client created (sessions are limited per key)."""
-        while self.created:
-            self("DELETE", f"/v1/sessions/{self.created.pop()}")
-
-    def state(self, sid) -> dict:
-        st, data = self("GET", f"/v1/sessions/{sid}")
-        assert st == 200, data
-        return json.loads(data)
-
-    def sessions(self) -> int:
-        return json.loads(self("GET", "/healthz")[1])["sessions"]
-
-    def close(self):
-        self.cleanup()
-        if self.s is not None:
-            self.loop.run_until_complete(self.s.close())
-        self.loop.close()
 
 
 def tb(ids) -> bytes:

@@ -38,8 +38,10 @@ def test_best_fixed_and_ratio_orientation():
         _run("stop-and-wait", "p", "a", throughput_tok_s=6.0, tpot_s=0.2,
              wasted_draft_tokens=30),
         _run("caac", "p", "a", throughput_tok_s=10.0),
-        _run("ipdg", "p", "a", tpot_s=0.1, wasted_draft_tokens=10),
-        _run("npdg", "p", "a", tpot_s=0.12, wasted_draft_tokens=40),
+        _run("ipdg", "p", "a", tpot_s=0.1, wasted_draft_tokens=10,
+             proactive_wasted_tokens=4),
+        _run("npdg", "p", "a", tpot_s=0.12, wasted_draft_tokens=40,
+             proactive_wasted_tokens=12),
         _run("fixed-2", "q", "a", throughput_tok_s=3.0),
         _run("caac", "q", "a", throughput_tok_s=1.5),
         _run("ipdg", "q", "a", tpot_s=0.1, wasted_draft_tokens=0),   # zero: skipped
@@ -53,6 +55,7 @@ def test_best_fixed_and_ratio_orientation():
     assert rows[("throughput_tok_s", "p", "caac", "best-fixed")] == pytest.approx(1.25)
     assert rows[("throughput_tok_s", "q", "caac", "best-fixed")] == pytest.approx(0.5)
     assert rows[("wasted_draft_tokens", "p", "ipdg", "npdg")] == pytest.approx(4.0)
+    assert rows[("proactive_wasted_tokens", "p", "ipdg", "npdg")] == pytest.approx(3.0)
     assert ("wasted_draft_tokens", "q", "ipdg", "npdg") not in rows
     assert rows[("tpot_s", "p", "ipdg", "stop-and-wait")] == pytest.approx(2.0)
 
@@ -134,6 +137,8 @@ def test_adaptive_group_through_the_runner(tmp_path):
         assert runs[("ipdg", prof)]["proactive_phases"] > 0
         assert 0 <= runs[("ipdg", prof)]["proactive_ready_before_response"] <= 1
         assert runs[("stop-and-wait", prof)].get("proactive_phases") is None
+        assert runs[("stop-and-wait", prof)]["proactive_drafted_tokens"] == 0
+        assert runs[("npdg", prof)]["proactive_drafted_tokens"] > 0
     keys = {(r["metric"], r["mode"], r["baseline"]) for r in results["ratios"]}
     assert ("throughput_tok_s", "caac", "best-fixed") in keys
     assert ("tpot_s", "ipdg", "stop-and-wait") in keys

@@ -19,13 +19,14 @@ import torch
 
 from cloud_api.app import SERVICE, create_app
 from cloud_api.server import BackgroundServer
-from conftest import tiny_model, tiny_tokenizer
+from conftest import tiny_model
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.commit import Committer
 from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.kvmodel import KVModel
 from edge_sdk.protocol import wire
 from edge_sdk.transport import Transport
+from conftest import RawHTTP as HTTP
 
 MSGPACK = "application/x-msgpack"
 PROMPT = [5, 6, 7]
@@ -71,49 +72,6 @@ def round_roles(hist, depth, max_new):
     return out[:max_new]
 
 
-class HTTP:
-    """Synchronous wrapper around one aiohttp ClientSession (raw requests)."""
-
-    def __init__(self, base: str):
-        self.base, self.loop, self.s = base, asyncio.new_event_loop(), None
-        self.created: list = []
-
-    def __call__(self, method, path, body: bytes = b"", ctype=MSGPACK, headers=None):
-        async def go():
-            if self.s is None:
-                self.s = aiohttp.ClientSession()
-            h = {"content-type": ctype} if body else {}
-            h.update(headers or {})
-            async with self.s.request(method, self.base + path, data=body or None,
-                                      headers=h) as r:
-                return r.status, await r.read()
-        return self.loop.run_until_complete(go())
-
-    def create(self, **body) -> dict:
-        st, data = self("POST", "/v1/sessions", wire.pack(body))
-        assert st == 201, data
-        info = wire.unpack(data)
-        self.created.append(info["session_id"])
-        return info
-
-    def cleanup(self):
-        """Delete the sessions this client created (sessions are limited per key)."""
-        while self.created:
-            self("DELETE", f"/v1/sessions/{self.created.pop()}")
-
-    def state(self, sid) -> dict:
-        st, data = self("GET", f"/v1/sessions/{sid}")
-        assert st == 200, data
-        return json.loads(data)
-
-    def verify(self, sid, body: bytes):
-        return self("POST", f"/v1/sessions/{sid}/verify", body)
-
-    def close(self):
-        self.cleanup()
-        if self.s is not None:
-            self.loop.run_until_complete(self.s.close())
-        self.loop.close()
 
 
 def vbody(sid, seq, base, tokens, q=None, pending=None, cfg=GREEDY, q_full=None) -> bytes:

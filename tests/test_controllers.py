@@ -249,3 +249,62 @@ def test_ucb_goes_deeper_above_critical_delay_per_bucket():
     opt = A.optimal_depth(alpha, tau, long_, 8)
     assert opt == 8 and u.best_arm(long_) >= 6
     assert UCBSpecStop.prior_depth(alpha, tau, short) == 1
+
+
+def test_caac_position_acceptance_sees_correlated_acceptance():
+    """Blocks that pass their first token tend to go on: h_1 ~ 0.5, h_k ~ 0.9 for k > 1.
+    The per-position estimate recovers that, where a pooled per-token alpha would not."""
+    import random
+
+    rng = random.Random(0)
+    ctrl = CAAC()
+    for _ in range(200):
+        L = 6
+        a = 0
+        if rng.random() < 0.5:
+            a = 1
+            while a < L and rng.random() < 0.9:
+                a += 1
+        ctrl.update(RoundRecord(depth=L, accepted=a, committed=a + 1, bonus=a == L,
+                                draft_s_per_token=0.01, resp_s=0.1, round_s=0.16))
+    h = ctrl.position_acceptance()
+    assert len(h) == ctrl.l_max
+    assert h[0] < 0.75 and min(h[1:6]) > 0.75
+    assert h[0] < ctrl.alpha        # a pooled per-token rate hides the structure
+
+
+def test_caac_esr_dead_band_ignores_timing_noise():
+    """+-10 % per-round noise in the draft time never closes the gate; a 2x step does."""
+    ctrl = CAAC()
+    for i in range(40):
+        tau = 0.01 * (1.1 if i % 2 else 0.9)
+        ctrl.update(RoundRecord(depth=4, accepted=2, committed=3, draft_s_per_token=tau,
+                                resp_s=0.1, round_s=0.14))
+        assert ctrl.eta == 1.0
+    ctrl.update(RoundRecord(depth=4, accepted=2, committed=3, draft_s_per_token=0.02,
+                            resp_s=0.1, round_s=0.18))
+    assert ctrl.eta < 1.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_caac_learns_a_non_monotone_response_time(seed):
+    """A CPU target's pass time is not monotone in the block length (measured: depth 3
+    answers faster than depth 2). With per-depth response means CAAC settles on the
+    depth the round model rates best (3 here) instead of the linear fit's choice."""
+    import random
+
+    resp = {1: 0.143, 2: 0.160, 3: 0.127, 4: 0.140, 5: 0.15, 6: 0.16, 7: 0.17, 8: 0.18}
+    rng, ctrl, depths = random.Random(seed), CAAC(), []
+    for _ in range(80):
+        L = ctrl.next_depth()
+        depths.append(L)
+        a = 0
+        while a < L and rng.random() < 0.6:
+            a += 1
+        ctrl.update(RoundRecord(depth=L, accepted=a, committed=a + 1, bonus=a == L,
+                                draft_s_per_token=0.011 * rng.uniform(0.9, 1.1),
+                                resp_s=resp[L] * rng.uniform(0.95, 1.05),
+                                round_s=resp[L] + L * 0.011 + 0.012))
+    last = depths[-30:]
+    assert max(set(last), key=last.count) == 3
+    assert ctrl.resp_model(3) < ctrl.resp_model(2)

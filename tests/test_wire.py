@@ -8,11 +8,9 @@ never changes the session.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
-import aiohttp
 import msgpack
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ from edge_sdk.protocol import wire
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
                                     VerifyRequest, VerifyResponse, WireError)
+from tests.conftest import RawHTTP as HTTP
 
 V, MAX_BLOCK, MAX_CTX = 64, 8, 256
 BIG_V = 70_000                      # > 65536: token ids travel as uint32
@@ -341,26 +340,6 @@ def test_fuzzers_reach_valid_messages():
 
 # ============================================================================ HTTP fuzz
 
-class HTTP:
-    """Synchronous wrapper around one aiohttp ClientSession (raw requests)."""
-
-    def __init__(self, base: str):
-        self.base, self.loop, self.s = base, asyncio.new_event_loop(), None
-
-    def __call__(self, method, path, body: bytes = b""):
-        async def go():
-            if self.s is None:
-                self.s = aiohttp.ClientSession()
-            h = {"content-type": MSGPACK} if body else {}
-            async with self.s.request(method, self.base + path, data=body or None,
-                                      headers=h) as r:
-                return r.status, await r.read()
-        return self.loop.run_until_complete(go())
-
-    def close(self):
-        if self.s is not None:
-            self.loop.run_until_complete(self.s.close())
-        self.loop.close()
 
 
 TK8 = SamplingConfig(temperature=1.0, top_k=8)

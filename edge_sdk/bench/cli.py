@@ -67,6 +67,11 @@ def _cpus(value: str | None) -> list[int] | None:
               "label <profile>@c<C>, with C*ceil(prompts/C) requests [default: 8]. "
               "Sequential modes ignore it.")
 @click.option("--target", default="smollm2-135m", show_default=True, help="Target model.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="Weights/compute dtype of both models (bfloat16: AMX "
+              "on this CPU; greedy identity then holds up to bfloat16 near-ties).")
+@click.option("--max-wait-ms", type=click.FloatRange(0.0), default=0.0, show_default=True,
+              help="Cloud batcher: ms to wait for more blocks after the first of a batch.")
 @click.option("--draft", default=None,
               help="Draft model (default: the trained draft if present, else smollm2-135m@4).")
 @click.option("--edge-slowdown", type=click.FloatRange(1.0), default=1.0, show_default=True,
@@ -91,7 +96,7 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
 def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new_tokens, seed,
-          depth, concurrency, target, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus,
+          depth, concurrency, target, dtype, max_wait_ms, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus,
           edge_cpus, cloud_threads, edge_threads, insecure_no_auth, no_warmup, no_progress, list_modes):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
@@ -145,7 +150,8 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
                           edge_cpus=_cpus(edge_cpus), cloud_threads=cloud_threads,
                           edge_threads=edge_threads, auth=not insecure_no_auth,
                           edge_slowdown=edge_slowdown, slowdown_at_s=slowdown_at,
-                          edge_load=edge_load, warmup=not no_warmup, **conc_kw)
+                          edge_load=edge_load, warmup=not no_warmup, dtype=dtype,
+                          server_kw={"max_wait_s": max_wait_ms / 1000.0}, **conc_kw)
         for m in cfg.modes:
             M.get_mode(m)
     except ValueError as e:

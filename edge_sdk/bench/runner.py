@@ -704,8 +704,9 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                         m["draft_slowed_calls"] = getattr(drafter, "slowed_calls", 0) - slowed0
                         per = [r.metrics for r in recs]
                         m.update(A.proactive_timing(per), **A.depth_summary(per))
-                        m["proactive_late_steps"] = sum(p.get("proactive_late_steps", 0)
-                                                        for p in per)
+                        for k in ("proactive_late_steps", "proactive_wasted_tokens",
+                                  "proactive_drafted_tokens"):
+                            m[k] = sum(p.get(k, 0) or 0 for p in per)
                         runs.append({"mode": mcls.name, "profile": plabel,
                                      "workload": label, "metrics": m})
                         for r in recs:
@@ -729,6 +730,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         "prompts_per_workload": {w: len(p) for w, p in prompt_sets.items()},
         "max_new_tokens": cfg.max_new_tokens, "depth": cfg.depth, "seed": cfg.seed,
         "dtype": cfg.dtype, "auth": cfg.auth,
+        "server_max_wait_s": cfg.server_kw.get("max_wait_s", 0.0),
         "cloud_cpus": cloud_cpus, "edge_cpus": edge_cpus, "cloud_threads": cloud_threads,
         "edge_threads": edge_threads, "edge_slowdown": factor,
         "slowdown_at_s": cfg.slowdown_at_s, "edge_load": cfg.edge_load,

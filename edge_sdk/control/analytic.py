@@ -44,7 +44,7 @@ def expected_committed(alpha: float | Sequence[float], L: int) -> float:
     return total
 
 
-def round_rate(alpha: float, L: int, tau_d: float,
+def round_rate(alpha: float | Sequence[float], L: int, tau_d: float,
                delay: float | Callable[[int], float]) -> float:
     """Committed tokens per second of a stop-and-wait round: ``E[C_L] / (L tau_d + D(L))``.
 
@@ -82,10 +82,12 @@ def critical_delay(alpha: float, tau_d: float) -> float:
     return tau_d * (1.0 + alpha - alpha * alpha) / (alpha * alpha)
 
 
-def near_optimal_band(alpha: float, tau_d: float, delay: float | Callable[[int], float],
-                      l_max: int, tol: float) -> tuple[int, int]:
+def near_optimal_band(alpha: float | Sequence[float], tau_d: float,
+                      delay: float | Callable[[int], float], l_max: int,
+                      tol: float) -> tuple[int, int]:
     """Smallest and largest L in ``1..l_max`` with ``R(L) >= (1 - tol) * max R``
-    (an interval, by quasi-concavity)."""
+    (an interval, by quasi-concavity, for a scalar alpha; with per-position
+    probabilities, the hull of the qualifying depths)."""
     rates = [round_rate(alpha, L, tau_d, delay) for L in range(1, l_max + 1)]
     top = max(rates)
     ok = [i + 1 for i, r in enumerate(rates) if r >= (1.0 - tol) * top]

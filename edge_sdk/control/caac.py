@@ -4,8 +4,11 @@ Chooses the next draft depth before each round from two paths:
 
 * **physical** (has the edge slowed down?): per-token draft latency of the last round
   ``tau_cur`` feeds a fast EWMA ``tau_f`` and a slow baseline EWMA ``tau_s`` (both seeded
-  by the first measurement); the excess slowdown ratio ``ESR = max(0, tau_f/tau_s - 1)``
-  gives the gate ``eta = 1 / (1 + k_eta * ESR)`` in (0, 1].
+  by the first measurement); the excess slowdown ratio
+  ``ESR = max(0, tau_f/tau_s - 1 - delta)`` gives the gate
+  ``eta = 1 / (1 + k_eta * ESR)`` in (0, 1]. The dead band ``delta`` keeps round-to-round
+  timing noise (which ``max(0, .)`` would otherwise turn into a systematic depth cut)
+  out of the gate.
 * **logical** (is a deeper draft useful?): the acceptance EWMA ``A`` (accepted / drafted
   per round) drives a PID on ``e = A - A_target`` that proposes a continuous depth
   ``B_hat`` (more acceptance -> deeper), with anti-windup keeping ``B_hat in [1, L_max]``.
@@ -14,10 +17,17 @@ Fusion: ``L = clamp(round(eta * B_hat), 1, L_max)``; when drafting proactively (
 ``L <= max(1, floor(T_resp / tau_f))`` so the proactive draft does not outlast the
 expected response (``T_resp``: EWMA of send->response seconds).
 
-**Model-based check** (SPEC §4, "beside it"): with the per-token acceptance ``alpha``
-estimated from the block outcomes and the round model of
+**Model-based check** (SPEC §4, "beside it"): with the per-position acceptance
+``h_k = P(draft k accepted | drafts 1..k-1 accepted)`` estimated from the block outcomes
+(discounted counts; a position with too few trials inherits the estimate of the one
+before it, position 1 the pooled per-token ``alpha``) and the round model of
 :mod:`edge_sdk.control.analytic`, the depths whose predicted rate
-``E[C_L] / (L tau_s + T_resp(L))`` is within ``model_tol`` of the best form a band; the
+``E[C_L] / (L tau_s + T_resp(L))`` (``E[C_L] = 1 + sum_j prod_{k<=j} h_k``) is within
+``model_tol`` of the best form a band (``T_resp(L)`` plus the edge's own per-round
+overhead: request building, signing, commit — ``round_s - resp_s - L tau``, EWMA).
+Per-position rates matter: real acceptance is not
+i.i.d. (a block that got past its first tokens tends to go on: measured on SmolLM2 with
+the trained draft, ``h_k`` grows with k), and the i.i.d. model then undervalues depth. The
 PID proposal is projected onto that band before the gate (``B = clip(B_hat, band)``).
 It keeps CAAC's choice whenever the model calls it near-optimal and otherwise pulls it
 to the nearest near-optimal depth — the PID alone targets an acceptance level and
@@ -45,6 +55,8 @@ class CAACParams:
     w_fast = 0.5: fast latency EWMA, reacts within ~2 rounds. w_slow = 0.05: baseline,
         ~20-round memory, so a step slowdown shows as ESR > 0 for ~tens of rounds and the
         baseline then re-adapts to the new normal.
+    esr_deadband = 0.15: slowdowns under 15 % of the baseline are treated as timing noise
+        (the per-token draft time of one round varies by ~10-20 % on a shared CPU).
     k_eta = 2: ``eta = 1/(1 + 2 ESR)``; a 2x slowdown step gives ESR ~0.43 after one
         round (eta ~0.54), i.e. about half the depth.
     w_acc = 0.3: acceptance EWMA (a block's accepted/drafted ratio is noisy).
@@ -55,8 +67,10 @@ class CAACParams:
         round-unit of accumulated error (I), per unit of error change (D). Full
         acceptance (e = +0.4) adds 1.6 tokens at once and ~0.2 per round after.
     w_resp = 0.3: EWMA of send->response seconds (``T_resp``), for the proactive cap.
-    model_check = True, model_tol = 0.1 (keep depths within 10 % of the model's best
-        rate), model_warmup = 3 rounds before the model is trusted, w_alpha = 0.1
+    model_check = True, model_tol = 0.05 (keep depths within 5 % of the model's best
+        rate), model_warmup = 3 rounds before the model is trusted, min_pos_trials = 2
+        (discounted trials a position needs for its own h_k, and a depth for its own
+        mean response time), w_alpha = 0.1
         (discount of the alpha estimate's success/trial counts per round: ~10-round
         memory, ~40 trials at L~4; also the forgetting of the T_resp(L) fit).
     """
@@ -66,6 +80,7 @@ class CAACParams:
     w_fast: float = 0.5
     w_slow: float = 0.05
     k_eta: float = 2.0
+    esr_deadband: float = 0.15
     w_acc: float = 0.3
     a_target: float = 0.6
     kp: float = 4.0
@@ -73,8 +88,9 @@ class CAACParams:
     kd: float = 1.0
     w_resp: float = 0.3
     model_check: bool = True
-    model_tol: float = 0.1
+    model_tol: float = 0.05
     model_warmup: int = 3
+    min_pos_trials: float = 2.0
     w_alpha: float = 0.1
 
 
@@ -95,6 +111,7 @@ class CAAC(DepthController):
         self.tau_f: float | None = None     # fast EWMA of per-token draft latency (s)
         self.tau_s: float | None = None     # slow baseline EWMA (s)
         self.t_resp: float | None = None    # EWMA of send->response time (s)
+        self.t_edge: float = 0.0            # EWMA of edge per-round overhead (s)
         self.A = p.a_target                 # acceptance EWMA, neutral start (e = 0)
         self.integral = 0.0
         self.e_prev: float | None = None
@@ -102,6 +119,10 @@ class CAAC(DepthController):
         self.rounds = 0
         # discounted alpha estimate and T_resp(L) regression
         self._succ = self._trials = 0.0
+        self._pos_succ = [0.0] * (p.l_max + 1)      # index k: position k (1-based)
+        self._pos_trials = [0.0] * (p.l_max + 1)
+        self._resp_sum = [0.0] * (p.l_max + 1)      # index L: responses at depth L
+        self._resp_w = [0.0] * (p.l_max + 1)
         self._n = self._sl = self._st = self._sll = self._slt = 0.0
         self.last: dict = {}
 
@@ -109,10 +130,10 @@ class CAAC(DepthController):
 
     @property
     def esr(self) -> float:
-        """Excess slowdown ratio ``max(0, tau_f / tau_s - 1)``."""
+        """Excess slowdown ratio ``max(0, tau_f / tau_s - 1 - esr_deadband)``."""
         if not self.tau_f or not self.tau_s:
             return 0.0
-        return max(0.0, self.tau_f / self.tau_s - 1.0)
+        return max(0.0, self.tau_f / self.tau_s - 1.0 - self.p.esr_deadband)
 
     @property
     def eta(self) -> float:
@@ -126,9 +147,29 @@ class CAAC(DepthController):
         """Per-token acceptance estimate (discounted successes / trials), or None."""
         return None if self._trials <= 0 else min(self._succ / self._trials, 0.999)
 
+    def position_acceptance(self) -> list[float] | None:
+        """``[h_1, ..., h_Lmax]``: per-position conditional acceptance estimates (see the
+        module docstring), or None before any block was verified."""
+        a = self.alpha
+        if a is None:
+            return None
+        out, prev = [], a
+        for k in range(1, self.l_max + 1):
+            n = self._pos_trials[k]
+            if n >= self.p.min_pos_trials:
+                prev = min(self._pos_succ[k] / n, 0.999)
+            out.append(prev)
+        return out
+
     def resp_model(self, L: int) -> float:
-        """Predicted send->response seconds for a block of depth L: EWMA plus a
-        non-negative slope fitted by discounted least squares on (L, resp_s)."""
+        """Predicted send->response seconds for a block of depth L: the discounted mean
+        of the responses observed at depth L when there are enough of them (a CPU
+        target's pass time is not monotone in the block length: measured on SmolLM2
+        fp32, 1 thread, a 4-token pass is faster than a 3-token one), else the EWMA plus
+        a non-negative slope fitted by discounted least squares on (L, resp_s)."""
+        w = self._resp_w[L] if 0 <= L < len(self._resp_w) else 0.0
+        if w >= self.p.min_pos_trials:
+            return self._resp_sum[L] / w
         base = self.t_resp or 0.0
         if self._n <= 0:
             return base
@@ -143,7 +184,8 @@ class CAAC(DepthController):
         if (not p.model_check or self.rounds < p.model_warmup or self.alpha is None
                 or not self.tau_s or self.t_resp is None):
             return None
-        return analytic.near_optimal_band(self.alpha, self.tau_s, self.resp_model,
+        return analytic.near_optimal_band(self.position_acceptance(), self.tau_s,
+                                          lambda L: self.resp_model(L) + self.t_edge,
                                           self.l_max, p.model_tol)
 
     # ------------------------------------------------------------------ policy
@@ -173,12 +215,22 @@ class CAAC(DepthController):
             else:
                 self.tau_f += p.w_fast * (tau - self.tau_f)
                 self.tau_s += p.w_slow * (tau - self.tau_s)
+        if (rnd.round_s is not None and rnd.resp_s is not None
+                and rnd.draft_s_per_token is not None):
+            over = max(0.0, rnd.round_s - rnd.resp_s - rnd.depth * rnd.draft_s_per_token)
+            self.t_edge += p.w_resp * (over - self.t_edge)
         if rnd.resp_s is not None and rnd.resp_s >= 0:
             r = float(rnd.resp_s)
             self.t_resp = r if self.t_resp is None else self.t_resp + p.w_resp * (r - self.t_resp)
             lam = 1.0 - p.w_alpha
             L = float(rnd.depth)
             self._n, self._sl, self._st = lam * self._n + 1, lam * self._sl + L, lam * self._st + r
+            for d in range(len(self._resp_w)):     # per-depth means, same discount
+                self._resp_sum[d] *= lam
+                self._resp_w[d] *= lam
+            if 0 <= rnd.depth < len(self._resp_w):
+                self._resp_sum[rnd.depth] += r
+                self._resp_w[rnd.depth] += 1.0
             self._sll, self._slt = lam * self._sll + L * L, lam * self._slt + L * r
         if rnd.depth <= 0:
             return                              # plain target step: no acceptance signal
@@ -187,6 +239,12 @@ class CAAC(DepthController):
         lam = 1.0 - p.w_alpha
         self._succ = lam * self._succ + a
         self._trials = lam * self._trials + a + (1 if a < g else 0)
+        for k in range(1, self.l_max + 1):      # position k was tried iff k <= min(a+1, g)
+            self._pos_succ[k] *= lam
+            self._pos_trials[k] *= lam
+            if k <= min(a + 1, g):
+                self._pos_trials[k] += 1
+                self._pos_succ[k] += 1 if k <= a else 0
         self.A += p.w_acc * (a / g - self.A)
         self._pid(self.A - p.a_target)
 
