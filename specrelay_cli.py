@@ -52,6 +52,17 @@ def sampling_options(f):
         click.option("--max-new-tokens", type=int, default=96, show_default=True),
         click.option("--depth", type=click.IntRange(1, 8), default=4, show_default=True,
                      help="Draft depth gamma (tokens per block)."),
+        click.option("--controller", type=click.Choice(["fixed", "heuristic", "caac",
+                                                       "ucb-specstop"]),
+                     default="fixed", show_default=True,
+                     help="Draft-depth policy (SPEC §4, §6); fixed uses --depth."),
+        click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
+                     default="off", show_default=True, help="Draft the next block while "
+                     "one is verified (SPEC §5): ipdg interruptible, npdg not."),
+        click.option("--proactive-roots", type=click.IntRange(1, 8), default=1,
+                     show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
+        click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
+                     "of the model draft."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--mode", type=click.Choice(["asym", "standard"]), default="asym",
                      show_default=True, help="asym: compact protocol; standard: baseline "
@@ -84,8 +95,16 @@ async def _generate(url, drafter, tok, prompt, kw, signer, ca_cert=None):
 
         ssl_ctx = ssl.create_default_context(cafile=ca_cert)
     transport = Transport(url, signer=signer, ssl_context=ssl_ctx)
+    if kw.get("ngram") and drafter is not None:
+        from edge_sdk.drafters.ngram import NgramDrafter
+
+        drafter = NgramDrafter(base=drafter)
     async with EdgeClient(url, drafter, tok, depth=kw["depth"], mode=kw["mode"],
-                          chat=kw["chat"], transport=transport) as c:
+                          chat=kw["chat"], transport=transport,
+                          controller=(None if kw.get("controller", "fixed") == "fixed"
+                                      else kw["controller"]),
+                          proactive=kw.get("proactive", "off"),
+                          proactive_roots=kw.get("proactive_roots", 1)) as c:
         return await c.generate(prompt, sampling=_sampling(kw), seed=kw["seed"],
                                 max_new_tokens=kw["max_new_tokens"], stop=kw["stop"],
                                 target_only=kw["target_only"])

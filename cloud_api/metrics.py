@@ -59,7 +59,9 @@ class ApiMetrics:
         self.drafted.inc(g)
         self.accepted.inc(resp.accepted)
         self.target_seconds.inc(resp.target_s)
-        if resp.next_token is not None and resp.accepted == g:
+        if g == 0:
+            pass                        # a plain target step: neither bonus nor correction
+        elif resp.next_token is not None and resp.accepted == g:
             self.bonus.inc()
         elif resp.next_token is not None:
             self.corrections.labels("cloud_drawn").inc()

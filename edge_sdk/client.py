@@ -396,7 +396,9 @@ class Generation:
         self.pending, self.seq = None, self.seq + 1
         if resp.next_token is not None:
             new.append(resp.next_token)
-            if a == g:
+            if g == 0:
+                m.target_step_tokens += 1      # no draft: a plain target decode step
+            elif a == g:
                 m.bonus_tokens += 1
             else:
                 m.correction_tokens += 1

@@ -20,6 +20,7 @@ class RequestMetrics:
     accepted_tokens: int = 0        # drafted tokens the target accepted
     committed_tokens: int = 0       # tokens handed to the user (bonus/correction included)
     bonus_tokens: int = 0
+    target_step_tokens: int = 0     # tokens of depth-0 rounds (target decode, no draft)
     correction_tokens: int = 0
     rounds: int = 0                 # verification rounds (target passes for this request)
     target_seconds: float = 0.0
@@ -74,6 +75,7 @@ class RequestMetrics:
             # raw counts, for aggregation
             "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
             "committed_tokens": self.committed_tokens, "bonus_tokens": self.bonus_tokens,
+            "target_step_tokens": self.target_step_tokens,
             "correction_tokens": self.correction_tokens, "rounds": self.rounds,
             "target_passes": self.rounds, "target_seconds": self.target_seconds,
             "draft_seconds": self.draft_seconds, "net_seconds": self.net_seconds,

@@ -765,9 +765,11 @@ def test_statistics_are_honest(mode, sampling, depth, max_new, srv, rec, tok, cl
     assert m["acceptance_rate"] == pytest.approx(sum(cloud_a) / sum(cloud_g), abs=1e-15)
     assert 0 < m["acceptance_rate"] < 1
     # bonus and corrections are reported apart from accepted drafts
-    full = sum(a == g for g, a, *_ in rec.rounds)
+    full = sum(a == g > 0 for g, a, *_ in rec.rounds)
+    plain = sum(g == 0 for g, *_ in rec.rounds)        # depth-0: target step, no draft
     assert m["bonus_tokens"] == full
-    assert m["correction_tokens"] == m["rounds"] - full
+    assert m["target_step_tokens"] == plain
+    assert m["correction_tokens"] == m["rounds"] - full - plain
     assert m["committed_tokens"] == len(r.token_ids)
     assert m["committed_tokens"] <= m["accepted_tokens"] + m["rounds"]
     assert m["mean_accepted_length"] == pytest.approx(m["committed_tokens"] / m["rounds"])

@@ -34,7 +34,7 @@ import dataclasses
 import random
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = [
     "Profile",

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 

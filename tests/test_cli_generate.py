@@ -1,0 +1,41 @@
+"""``specrelay generate/demo`` options for depth control and proactive drafting (issue #5):
+the CLI's generation path with each controller / proactive mode / the n-gram drafter
+gives the target-only tokens (greedy), through the real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from click.testing import CliRunner
+
+import specrelay_cli
+from edge_sdk.drafters.torch import TorchDrafter
+
+BASE = dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=0,
+            max_new_tokens=20, depth=3, stop=(), mode="asym", target_only=False, chat=False,
+            as_json=True, controller="fixed", proactive="off", proactive_roots=1,
+            ngram=False)
+
+
+@pytest.mark.parametrize("opts", [
+    {"controller": "caac"}, {"controller": "heuristic"}, {"controller": "ucb-specstop"},
+    {"proactive": "ipdg", "proactive_roots": 2}, {"controller": "caac", "proactive": "npdg"},
+    {"ngram": True}, {"depth": 1}],
+    ids=["caac", "heuristic", "ucb", "ipdg-tree", "caac-npdg", "ngram", "depth1"])
+def test_cli_generation_options_keep_the_target_output(opts, server, target, draft, tok):
+    prompt = "w5 w9 w12 w3 w7 w5 w9"
+    ref = asyncio.run(specrelay_cli._generate(server.url, None, tok, prompt,
+                                              BASE | {"target_only": True}, None))
+    res = asyncio.run(specrelay_cli._generate(server.url, TorchDrafter(draft), tok, prompt,
+                                              BASE | opts, None))
+    assert res.token_ids == ref.token_ids and len(ref.token_ids) == 20
+    if opts.get("proactive") in ("ipdg", "npdg"):
+        assert res.metrics["proactive_rounds"] > 0
+
+
+def test_cli_help_lists_the_options():
+    for cmd in ("generate", "demo"):
+        out = CliRunner().invoke(specrelay_cli.main, [cmd, "--help"]).output
+        for opt in ("--controller", "--proactive", "--proactive-roots", "--ngram"):
+            assert opt in out, (cmd, opt)
