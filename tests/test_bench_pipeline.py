@@ -59,7 +59,8 @@ def _target_only(prompt_ids: list[list[int]], n: int) -> list[list[int]]:
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline-bench")
     cfg = BenchConfig(modes=CONCURRENT, profiles=[Profile("lan", 100e6, 500e6, rtt_s=0.004)],
-                      sampling=["greedy"], max_new_tokens=NEW_TOKENS, depth=3,
+                      sampling=["greedy"], max_new_tokens=NEW_TOKENS, depth=4,
+                      concurrent_depth=3,
                       concurrency=[4], target=tiny_target, draft=tiny_draft,
                       prompt_sets=PROMPTS,
                       # the tiny target verifies in ~1 ms: let the queue wait a little
@@ -92,9 +93,11 @@ def test_pipeline_bench_results_valid(bench_run):
     report.validate_results(report.load_results(out / "results.json"))
     runs = {r["mode"]: r for r in results["runs"]}
     assert set(runs) == set(CONCURRENT)
+    assert results["config"]["concurrent_depth"] == 3
     for name, r in runs.items():
         m = r["metrics"]
         assert r["profile"] == "lan@c4" and r["workload"] == "mini"
+        assert max(int(d) for d in m["depth_counts"]) == 3     # --concurrent-depth
         assert m["concurrency"] == 4 and m["network_profile"] == "lan"
         assert m["n_requests"] == 4                  # 3 prompts -> one whole wave of 4
         assert m["committed_tokens"] == 4 * NEW_TOKENS
@@ -279,6 +282,7 @@ def test_cli_quick_config(monkeypatch):
     assert cfg.concurrency == [8]
     assert cfg.concurrent_profiles == ["weak", "strong"]
     assert cfg.concurrent_max_new_tokens == 16 and cfg.max_new_tokens == 20
+    assert cfg.concurrent_depth == 1 and cfg.depth == 4
     r = CliRunner().invoke(bench, ["--quick", "--profiles", "lan", "--concurrency", "1,16",
                                    "--max-new-tokens", "5", "--out", "/tmp/x"])
     assert r.exit_code == 0, r.output
@@ -289,3 +293,21 @@ def test_cli_quick_config(monkeypatch):
                                    "--out", "/tmp/x"])
     assert r.exit_code == 0, r.output
     assert seen[-1].concurrency == [4] and seen[-1].concurrent_profiles is None
+
+
+def test_cli_concurrent_depth(monkeypatch):
+    from click.testing import CliRunner
+
+    from edge_sdk.bench import runner
+    from edge_sdk.bench.cli import bench
+
+    seen = []
+    monkeypatch.setattr(runner, "run_bench", lambda cfg, out_dir, progress=True, log=None:
+                        seen.append(cfg) or {"config": {}, "runs": [], "ratios": []})
+    r = CliRunner().invoke(bench, ["--modes", "pipeline", "--concurrent-depth", "2",
+                                   "--depth", "4", "--out", "/tmp/x", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1].concurrent_depth == 2 and seen[-1].depth == 4
+    r = CliRunner().invoke(bench, ["--modes", "pipeline", "--concurrent-depth", "9",
+                                   "--out", "/tmp/x"])
+    assert r.exit_code == 2

@@ -38,13 +38,14 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out",
               show_default=True, help="Output folder: results.json, summary.md, *.png, "
               "requests.jsonl.")
-@click.option("--quick", is_flag=True, help="A ~10-minute run: modes cloud-ar, standard-sd, "
+@click.option("--quick", is_flag=True, help="A ~4-minute run: modes cloud-ar, standard-sd, "
               "specrelay on profiles weak, cellular-edge, strong; 1 greedy prompt per "
               "workload; 20 new tokens; the adaptive modes (caac, fixed-1/2/4, "
               "stop-and-wait, ipdg, npdg) on humaneval over medium and medium+slow (3x "
               "slower draft from 1.5 s into each run); the pipeline and its baselines "
               "(no-pipeline, runahead, standard-sd-concurrent) at 8 concurrent requests x "
-              "16 tokens on mtbench, weak and strong. Explicit options override these.")
+              "16 tokens, depth 1, on mtbench, weak and strong. Explicit options override "
+              "these.")
 @click.option("--modes", default=None, help="Comma list of modes "
               f"[default: {_DEFAULTS['modes']}]. See --list-modes.")
 @click.option("--profiles", default=None,
@@ -61,6 +62,10 @@ def _cpus(value: str | None) -> list[int] | None:
               help="Prompt selection and per-request sampling seeds.")
 @click.option("--depth", type=click.IntRange(1, 8), default=4, show_default=True,
               help="Draft depth gamma for fixed-depth modes (tokens per block).")
+@click.option("--concurrent-depth", type=click.IntRange(1, 8), default=None,
+              help="Draft depth of the concurrent modes (default: --depth). The pipeline's "
+              "best depth is lower than a single request's: the edge's one draft worker "
+              "serves every request and the cloud batches the blocks.")
 @click.option("--concurrency", default=None, help="Comma list of concurrency values, e.g. "
               "'1,4,8,16': each concurrent mode (pipeline, no-pipeline, runahead, "
               "standard-sd-concurrent, pipeline-standard) runs once per value, reported under the profile "
@@ -96,7 +101,8 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
 def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new_tokens, seed,
-          depth, concurrency, target, dtype, max_wait_ms, draft, edge_slowdown, slowdown_at, edge_load, cloud_cpus,
+          depth, concurrent_depth, concurrency, target, dtype, max_wait_ms, draft,
+          edge_slowdown, slowdown_at, edge_load, cloud_cpus,
           edge_cpus, cloud_threads, edge_threads, insecure_no_auth, no_warmup, no_progress, list_modes):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
@@ -133,6 +139,8 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
                                       else QUICK["mode_profiles"]),
                        mode_workloads=(None if workloads is not None or modes is not None
                                        else QUICK["mode_workloads"]))
+        if concurrent_depth is None:
+            concurrent_depth = QUICK["concurrent_depth"]
         if edge_slowdown == 1.0 and slowdown_at == 0.0:
             edge_slowdown, slowdown_at = QUICK["edge_slowdown"], QUICK["slowdown_at_s"]
     try:
@@ -151,6 +159,7 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
                           edge_threads=edge_threads, auth=not insecure_no_auth,
                           edge_slowdown=edge_slowdown, slowdown_at_s=slowdown_at,
                           edge_load=edge_load, warmup=not no_warmup, dtype=dtype,
+                          concurrent_depth=concurrent_depth,
                           server_kw={"max_wait_s": max_wait_ms / 1000.0}, **conc_kw)
         for m in cfg.modes:
             M.get_mode(m)

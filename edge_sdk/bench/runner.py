@@ -75,6 +75,7 @@ class BenchConfig:
         sampling: variants from :data:`SAMPLING_PRESETS` (``"greedy"``, ``"sample"``).
         prompts: prompts per workload. seed: prompt shuffle and request seeds.
         max_new_tokens: tokens generated per request. depth: draft depth gamma.
+        concurrent_depth: draft depth of the concurrent modes (None: ``depth``).
         target, draft: model sources: a ``load_model`` spec string (preset, path,
             ``name@N``) or a picklable zero-argument callable returning
             ``(model, tokenizer)``; ``draft=None`` picks the CLI's default draft.
@@ -128,6 +129,7 @@ class BenchConfig:
     concurrent_profiles: list | None = None
     concurrent_workloads: list | None = None
     concurrent_max_new_tokens: int | None = None
+    concurrent_depth: int | None = None
     mode_profiles: dict | None = None
     mode_workloads: dict | None = None
 
@@ -140,7 +142,8 @@ QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + ["pipeline", "no-pipeline", 
              workloads=["mtbench", "humaneval"],
              sampling=["greedy"], prompts=1, max_new_tokens=20, concurrency=[8],
              concurrent_profiles=["weak", "strong"], concurrent_workloads=["mtbench"],
-             concurrent_max_new_tokens=16, edge_slowdown=3.0, slowdown_at_s=1.5,
+             concurrent_max_new_tokens=16, concurrent_depth=1,
+             edge_slowdown=3.0, slowdown_at_s=1.5,
              mode_profiles={**{m: ["weak", "cellular-edge", "strong"] for m in _QUICK_BASIC},
                             **{m: ["medium", "medium+slow"] for m in _QUICK_ADAPTIVE}},
              mode_workloads={m: ["humaneval"] for m in _QUICK_ADAPTIVE})
@@ -148,7 +151,8 @@ QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + ["pipeline", "no-pipeline", 
 basic modes; the adaptive modes (CAAC, fixed depths 1/2/4, IPDG, NPDG, stop-and-wait) on
 humaneval over ``medium`` and ``medium+slow`` (3x slower draft forwards from 1.5 s into
 each run); the confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16
-tokens (mtbench; weak and strong). About 10 minutes on 2 quiet CPU cores."""
+tokens, depth 1 (mtbench; weak and strong; depth 1 is the pipeline's best measured
+operating point on this CPU target). About 4 minutes on 2 quiet CPU cores."""
 
 
 def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
@@ -666,7 +670,9 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                         ctx = EdgeContext(
                             f"http://127.0.0.1:{em.port}", tok,
                             drafter if mcls.needs_drafter else None, signer, prof,
-                            samplings[s], max_new, cfg.depth, link,
+                            samplings[s], max_new,
+                            cfg.depth if conc is None else (cfg.concurrent_depth or cfg.depth),
+                            link,
                             dict(cfg.mode_options.get(mcls.name, {})), conc or 1)
                         load = EdgeLoad(cfg.edge_load if contended(prof.name) else 0,
                                         edge_cpus, cfg.slowdown_at_s)
@@ -729,6 +735,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                                                      for s in cfg.sampling},
         "prompts_per_workload": {w: len(p) for w, p in prompt_sets.items()},
         "max_new_tokens": cfg.max_new_tokens, "depth": cfg.depth, "seed": cfg.seed,
+        "concurrent_depth": cfg.concurrent_depth or cfg.depth,
         "dtype": cfg.dtype, "auth": cfg.auth,
         "server_max_wait_s": cfg.server_kw.get("max_wait_s", 0.0),
         "cloud_cpus": cloud_cpus, "edge_cpus": edge_cpus, "cloud_threads": cloud_threads,
