@@ -264,8 +264,12 @@ def demo(prompt, target, draft, compare, dtype, **kw):
                                                / ref.metrics["throughput_tok_s"])
             if kw["temperature"] == 0:
                 extra["identical_to_target"] = ref.token_ids == res.token_ids
-    _print_result(res, kw["as_json"], f"speculative ({draft} -> {target}, depth "
-                  f"{kw['depth']}, signed HTTP on {srv.url})", note, extra)
+    policy = (f"depth {kw['depth']}" if kw["controller"] == "fixed"
+              else f"{kw['controller']} depth")
+    if kw["proactive"] != "off":
+        policy += f" + {kw['proactive']}"
+    _print_result(res, kw["as_json"], f"speculative ({draft} -> {target}, {policy}, "
+                  f"signed HTTP on {srv.url})", note, extra)
 
 
 def _mount():
