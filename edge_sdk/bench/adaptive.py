@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Iterable, Sequence
+from typing import Sequence
+
+from edge_sdk.bench import report
 
 __all__ = [
     "SLOW_SUFFIX", "DEFAULT_SLOWDOWN", "BEST_FIXED", "FIXED_MODES", "split_contention",
@@ -60,25 +62,15 @@ def split_contention(label: str) -> tuple[str, bool]:
     return label, False
 
 
-def _index(runs: Iterable[dict]) -> dict:
-    return {(r["mode"], r["profile"], r["workload"]): r["metrics"] for r in runs}
-
-
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _geomean(vals: Sequence[float]) -> float:
-    if min(vals) <= 0:
-        return 0.0
-    return float(math.exp(sum(math.log(v) for v in vals) / len(vals)))
 
 
 def best_fixed(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[str, dict]:
     """``{"profile|workload": {"mode", "value"}}``: the fixed-depth stop-and-wait mode
     with the highest ``metric`` at every (profile label, workload) where one ran."""
     out: dict[str, dict] = {}
-    for (mode, prof, w), m in _index(runs).items():
+    for (mode, prof, w), m in report.run_index(runs)[0].items():
         if mode not in FIXED_MODES or not _num(m.get(metric)):
             continue
         key = f"{prof}|{w}"
@@ -87,48 +79,24 @@ def best_fixed(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[s
     return out
 
 
-def _ratio_rows(idx: dict, profiles: list[str], workloads: list[str], metric: str,
-                mode: str, baseline: str, higher: bool, base_of=None) -> list[dict]:
-    rows = []
-    for prof in profiles:
-        vals = []
-        for w in workloads:
-            mv = (idx.get((mode, prof, w)) or {}).get(metric)
-            bv = (base_of(prof, w) if base_of else
-                  (idx.get((baseline, prof, w)) or {}).get(metric))
-            if not _num(mv) or not _num(bv):
-                continue
-            num, den = (mv, bv) if higher else (bv, mv)
-            if den > 0:
-                vals.append(num / den)
-        if vals:
-            rows.append({"metric": metric, "profile": prof, "mode": mode,
-                         "baseline": baseline, "value": _geomean(vals)})
-    return rows
-
-
 def adaptive_ratios(runs: Sequence[dict]) -> list[dict]:
     """The issue-#5 ratio rows for every profile label where both sides ran (see the
     module docstring for the orientation). Workloads combine by geometric mean; pairs
     with a zero denominator (e.g. IPDG wasting nothing) are skipped."""
-    idx = _index(runs)
-    profiles = list(dict.fromkeys(r["profile"] for r in runs))
-    workloads = sorted({r["workload"] for r in runs})
+    idx, profiles, workloads = report.run_index(runs)
     best = best_fixed(runs)
 
     def best_of(prof: str, w: str):
         b = best.get(f"{prof}|{w}")
         return None if b is None else b["value"]
 
-    rows = []
-    for mode in ("caac", "rapid"):
-        rows += _ratio_rows(idx, profiles, workloads, "throughput_tok_s", mode, BEST_FIXED,
-                            True, best_of)
-    for metric in ("wasted_draft_tokens", "proactive_wasted_tokens"):
-        rows += _ratio_rows(idx, profiles, workloads, metric, "ipdg", "npdg", False)
-    for mode in ("ipdg", "rapid"):
-        rows += _ratio_rows(idx, profiles, workloads, "tpot_s", mode, "stop-and-wait", False)
-    return rows
+    specs = ([("throughput_tok_s", m, BEST_FIXED, True, best_of) for m in ("caac", "rapid")]
+             + [(k, "ipdg", "npdg", False, None)
+                for k in ("wasted_draft_tokens", "proactive_wasted_tokens")]
+             + [("tpot_s", m, "stop-and-wait", False, None) for m in ("ipdg", "rapid")])
+    rows = [report.ratio_row(idx, prof, workloads, metric, mode, base, higher, fn)
+            for metric, mode, base, higher, fn in specs for prof in profiles]
+    return [r for r in rows if r is not None]
 
 
 def proactive_timing(per_request: Sequence[dict]) -> dict:

@@ -55,6 +55,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
+from edge_sdk.bench import report
+
 __all__ = [
     "DEFAULT_CONCURRENCY", "CONCURRENT_BASELINES", "STRONGEST", "point_label", "split_point",
     "BusyExecutor", "process_cpu_s", "parse_prometheus", "scrape_server", "cell_prompts", "requests_per_cell",
@@ -229,12 +231,6 @@ def concurrent_metrics(m: dict, per_request: Sequence[dict], *, concurrency: int
 # --------------------------------------------------------------------------- ratios
 
 
-def _geomean(vals: list[float]) -> float:
-    if len(vals) == 1:
-        return float(vals[0])
-    return 0.0 if min(vals) <= 0 else float(math.exp(sum(math.log(v) for v in vals) / len(vals)))
-
-
 def _index(runs: Iterable[dict]) -> dict:
     return {(r["mode"], r["profile"], r["workload"]): r["metrics"] for r in runs}
 
@@ -275,27 +271,23 @@ def pipeline_ratios(runs: Sequence[dict], mode: str = "pipeline",
     for r in runs:
         if r["profile"] not in profiles and split_point(r["profile"])[1] is not None:
             profiles.append(r["profile"])
+    def strongest(metric: str):
+        """The ``metric`` of the baseline with the best throughput at (profile, workload)."""
+        def value(prof: str, w: str):
+            bvs = [((idx.get((b, prof, w)) or {}).get("throughput_tok_s"), b)
+                   for b in baselines]
+            best = max(((bv, b) for bv, b in bvs if isinstance(bv, (int, float))),
+                       default=None)
+            return None if best is None else idx[(best[1], prof, w)].get(metric)
+        return value
+
     rows = []
     for metric, higher in (("throughput_tok_s", True), ("target_passes_per_token", False)):
         for prof in profiles:
-            vals = []
-            for w in workloads:
-                mv = (idx.get((mode, prof, w)) or {}).get(metric)
-                bvs = [(idx.get((b, prof, w)) or {}).get("throughput_tok_s") for b in baselines]
-                best = max(((bv, b) for bv, b in zip(bvs, baselines)
-                            if isinstance(bv, (int, float))), default=None)
-                if not isinstance(mv, (int, float)) or best is None:
-                    continue
-                # "strongest" = the best throughput; its value of ``metric`` is compared
-                bv = idx[(best[1], prof, w)].get(metric)
-                if not isinstance(bv, (int, float)):
-                    continue
-                num, den = (mv, bv) if higher else (bv, mv)
-                if den > 0:
-                    vals.append(num / den)
-            if vals:
-                rows.append({"metric": metric, "profile": prof, "mode": mode,
-                             "baseline": STRONGEST, "value": _geomean(vals)})
+            row = report.ratio_row(idx, prof, workloads, metric, mode, STRONGEST, higher,
+                                   strongest(metric))
+            if row is not None:
+                rows.append(row)
     modes = list(dict.fromkeys(r["mode"] for r in runs
                                if split_point(r["profile"])[1] is not None))
     for md in modes:
@@ -304,15 +296,11 @@ def pipeline_ratios(runs: Sequence[dict], mode: str = "pipeline",
             if p != weak:
                 continue
             sp = point_label(strong, c)
-            vals = []
-            for w in workloads:
-                wv = (idx.get((md, prof, w)) or {}).get("throughput_tok_s")
-                sv = (idx.get((md, sp, w)) or {}).get("throughput_tok_s")
-                if isinstance(wv, (int, float)) and isinstance(sv, (int, float)) and sv > 0:
-                    vals.append(wv / sv)
-            if vals:
-                rows.append({"metric": "throughput_tok_s", "profile": prof, "mode": md,
-                             "baseline": f"{md}@{sp}", "value": _geomean(vals)})
+            row = report.ratio_row(
+                idx, prof, workloads, "throughput_tok_s", md, f"{md}@{sp}", True,
+                lambda _p, w, md=md, sp=sp: (idx.get((md, sp, w)) or {}).get("throughput_tok_s"))
+            if row is not None:
+                rows.append(row)
     return rows
 
 

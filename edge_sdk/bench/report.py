@@ -211,43 +211,59 @@ def aggregate(per_request_metrics: Sequence[dict]) -> dict:
 
 # --------------------------------------------------------------------------- ratios
 
-def compute_ratios(runs: Sequence[dict], baselines: Iterable[tuple[str, str, str, bool]]) -> list[dict]:
-    """Ratio rows ``{"metric", "profile", "mode", "baseline", "value"}``, one per
-    baseline spec and profile where both modes ran.
+def ratio_row(index: dict, profile: str, workloads: Iterable[str], metric: str, mode: str,
+              baseline: str, higher: bool, base_value=None) -> dict | None:
+    """One ratio row ``{"metric", "profile", "mode", "baseline", "value"}`` for
+    ``profile``, or None when no workload has both sides.
 
-    ``baselines`` items are ``(metric, mode, baseline_mode, higher_is_better)``. ``value``
-    is oriented so that **> 1 means ``mode`` is better**: ``mode / baseline`` when higher
-    is better (speed-up), ``baseline / mode`` when lower is better (reduction factor).
-    With several workloads in a profile, the per-workload ratios are combined by
-    geometric mean. Pairs with a missing/``null`` metric or a zero denominator are
-    skipped. Rows follow the order of ``baselines``, then of profiles in ``runs``.
+    ``index`` maps ``(mode, profile, workload)`` to a run's metrics. The baseline's value
+    is its run's ``metric``, or ``base_value(profile, workload)`` when given (a derived
+    baseline: the best fixed depth, the strongest baseline). ``value`` is oriented so
+    that > 1 means ``mode`` is better (``mode / baseline`` if higher is better, else
+    ``baseline / mode``); workloads combine by geometric mean; pairs with a missing
+    value or a zero denominator are skipped.
     """
+    vals = []
+    for w in workloads:
+        mv = (index.get((mode, profile, w)) or {}).get(metric)
+        bv = (base_value(profile, w) if base_value is not None
+              else (index.get((baseline, profile, w)) or {}).get(metric))
+        if not _is_num(mv) or not _is_num(bv):
+            continue
+        num, den = (mv, bv) if higher else (bv, mv)
+        if den != 0:
+            vals.append(num / den)
+    if not vals:
+        return None
+    value = 0.0 if min(vals) <= 0 else float(np.exp(np.mean(np.log(vals))))
+    return {"metric": metric, "profile": profile, "mode": mode, "baseline": baseline,
+            "value": value}
+
+
+def run_index(runs: Iterable[dict]) -> tuple[dict, list[str], list[str]]:
+    """``(index, profiles, workloads)`` of ``runs``: metrics by (mode, profile,
+    workload), profile labels in run order, workload labels sorted."""
     index: dict[tuple[str, str, str], dict] = {}
     profiles: list[str] = []
     for r in runs:
         index[(r["mode"], r["profile"], r["workload"])] = r["metrics"]
         if r["profile"] not in profiles:
             profiles.append(r["profile"])
-    workloads = sorted({w for (_, _, w) in index})
+    return index, profiles, sorted({w for (_, _, w) in index})
+
+
+def compute_ratios(runs: Sequence[dict], baselines: Iterable[tuple[str, str, str, bool]]) -> list[dict]:
+    """Ratio rows (:func:`ratio_row`), one per baseline spec and profile where both
+    modes ran. ``baselines`` items are ``(metric, mode, baseline_mode,
+    higher_is_better)``. Rows follow the order of ``baselines``, then of profiles in
+    ``runs``."""
+    index, profiles, workloads = run_index(runs)
     rows = []
     for metric, mode, base, higher in baselines:
         for prof in profiles:
-            vals = []
-            for w in workloads:
-                m, b = index.get((mode, prof, w)), index.get((base, prof, w))
-                if m is None or b is None:
-                    continue
-                mv, bv = m.get(metric), b.get(metric)
-                if not _is_num(mv) or not _is_num(bv):
-                    continue
-                num, den = (mv, bv) if higher else (bv, mv)
-                if den == 0:
-                    continue
-                vals.append(num / den)
-            if vals:
-                value = 0.0 if min(vals) <= 0 else float(np.exp(np.mean(np.log(vals))))
-                rows.append({"metric": metric, "profile": prof, "mode": mode, "baseline": base,
-                             "value": value})
+            row = ratio_row(index, prof, workloads, metric, mode, base, higher)
+            if row is not None:
+                rows.append(row)
     return rows
 
 
