@@ -138,6 +138,17 @@ def depth_summary(per_request: Sequence[dict]) -> dict:
             "depth_counts": dict(sorted(counts.items(), key=lambda kv: int(kv[0])))}
 
 
+_SUMMARY_COLS = [
+    ("throughput_tok_s", "tok/s", 1.0, "{:.2f}"), ("tpot_s", "TPOT ms", 1e3, "{:.1f}"),
+    ("acceptance_rate", "accept", 1.0, "{:.3f}"), ("depth_mean", "mean depth", 1.0, "{:.2f}"),
+    ("wasted_draft_tokens", "wasted", 1.0, "{:.0f}"),
+    ("proactive_wasted_tokens", "proactive wasted", 1.0, "{:.0f}"),
+    ("proactive_hit_rate", "proactive hit", 1.0, "{:.3f}"),
+    ("proactive_ready_before_response", "ready before resp", 1.0, "{:.2f}"),
+    ("proactive_ready_minus_response_s", "ready−resp ms", 1e3, "{:.0f}"),
+    ("proactive_late_steps", "late steps", 1.0, "{:.0f}"),
+]
+
 _ADAPTIVE = ("caac", "rapid", "rapid-npdg", "ipdg", "npdg", "stop-and-wait", "sr-heuristic",
              "sr-ucb", "sr-ngram") + FIXED_MODES
 
@@ -149,28 +160,11 @@ def summary_md(results: dict) -> str:
     if not runs:
         return ""
 
-    def f(v, fmt="{:.2f}"):
-        return "–" if not _num(v) else fmt.format(v)
-
     lines = ["", "## Adaptive drafting (depth control, proactive drafting)", "",
              "profile `X+slow` = link X with the edge slowdown of the run config "
              "(`edge_slowdown` from `slowdown_at_s` into each run). ready−resp = median "
-             "of (proactive draft ready − verdict arrived), ms; < 0: ready first.", "",
-             "| mode | profile | workload | tok/s | TPOT ms | accept | mean depth | "
-             "wasted | proactive wasted | proactive hit | ready before resp | "
-             "ready−resp ms | late steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        m = r["metrics"]
-        lines.append(
-            f"| {r['mode']} | {r['profile']} | {r['workload']} | {f(m['throughput_tok_s'])} | "
-            f"{f(m.get('tpot_s') and m['tpot_s'] * 1e3, '{:.1f}')} | "
-            f"{f(m.get('acceptance_rate'), '{:.3f}')} | {f(m.get('depth_mean'))} | "
-            f"{m.get('wasted_draft_tokens', '–')} | {m.get('proactive_wasted_tokens', '–')} | "
-            f"{f(m.get('proactive_hit_rate'), '{:.3f}')} | "
-            f"{f(m.get('proactive_ready_before_response'))} | "
-            f"{f(m.get('proactive_ready_minus_response_s') and m['proactive_ready_minus_response_s'] * 1e3, '{:.0f}')} | "
-            f"{m.get('proactive_late_steps', '–')} |")
+             "of (proactive draft ready − verdict arrived), ms; < 0: ready first.", ""]
+    lines += report.runs_table(runs, _SUMMARY_COLS)
     bf = results.get("config", {}).get("best_fixed") or {}
     if bf:
         lines += ["", "Best fixed depth per cell (chosen after the fact): "

@@ -265,19 +265,36 @@ def mode_names() -> list[str]:
 
 
 class _SpeculativeMode(BenchMode):
-    """EdgeClient rounds at a fixed depth; ``client_mode`` picks the protocol."""
+    """EdgeClient rounds; ``client_mode`` picks the protocol. ``client_kw`` are
+    :class:`edge_sdk.EdgeClient` options (``ctx.options["client"]`` overrides them); a
+    controller given by name becomes ONE object serving every request of the run
+    (requests run one after another), so learning controllers keep what they learned.
+    ``fixed_depth`` overrides ``--depth``; ``ngram``: the n-gram drafter fronts the
+    model drafter."""
 
     client_mode: ClassVar[str] = "asym"
+    client_kw: ClassVar[dict] = {}
+    fixed_depth: ClassVar[int | None] = None
+    ngram: ClassVar[bool] = False
 
     async def open(self) -> None:
         from edge_sdk.client import EdgeClient
+        from edge_sdk.control import make_controller
 
         c = self.ctx
+        kw = {**self.client_kw, **c.options.get("client", {})}
+        if isinstance(kw.get("controller"), str) and kw["controller"] != "fixed":
+            kw["controller"] = make_controller(kw["controller"],
+                                               **kw.pop("controller_kw", {}) or {})
+        drafter = c.drafter
+        if self.ngram and drafter is not None:
+            from edge_sdk.drafters.ngram import NgramDrafter
+
+            drafter = NgramDrafter(base=drafter)
         self.transport = RecordingTransport(c.base_url, signer=c.signer)
-        self.client = EdgeClient(c.base_url, c.drafter, c.tokenizer, depth=c.depth,
-                                 mode=self.client_mode, signer=c.signer, chat=False,
-                                 transport=self.transport,
-                                 **c.options.get("client", {}))
+        self.client = EdgeClient(c.base_url, drafter, c.tokenizer,
+                                 depth=self.fixed_depth or c.depth, mode=self.client_mode,
+                                 signer=c.signer, chat=False, transport=self.transport, **kw)
 
     async def close(self) -> None:
         await self.client.close()
@@ -460,112 +477,45 @@ class CloudStreamClient:
 
 class _AdaptiveMode(_SpeculativeMode):
     """The compact protocol with a depth controller (SPEC §4, §6) and/or proactive
-    drafting (SPEC §5). ``client_kw`` are :class:`edge_sdk.EdgeClient` options;
-    ``ctx.options["client"]`` overrides them. One controller object serves every request
-    of the run (requests run one after another), so learning controllers (UCB-SpecStop)
-    keep what they learned; ``ngram``: the n-gram drafter fronts the model drafter."""
+    drafting (SPEC §5); compared by :mod:`edge_sdk.bench.adaptive` only (no generic
+    ratio rows)."""
 
-    client_kw: ClassVar[dict] = {}
-    ngram: ClassVar[bool] = False
-    fixed_depth: ClassVar[int | None] = None
-    adaptive: ClassVar[bool] = True         # compared by edge_sdk.bench.adaptive only
-
-    async def open(self) -> None:
-        from edge_sdk.client import EdgeClient
-        from edge_sdk.control import make_controller
-
-        c = self.ctx
-        kw = {**self.client_kw, **c.options.get("client", {})}
-        if isinstance(kw.get("controller"), str) and kw["controller"] != "fixed":
-            kw["controller"] = make_controller(kw["controller"],
-                                               **kw.pop("controller_kw", {}) or {})
-        drafter = c.drafter
-        if self.ngram and drafter is not None:
-            from edge_sdk.drafters.ngram import NgramDrafter
-
-            drafter = NgramDrafter(base=drafter)
-        self.transport = RecordingTransport(c.base_url, signer=c.signer)
-        self.client = EdgeClient(c.base_url, drafter, c.tokenizer,
-                                 depth=self.fixed_depth or c.depth,
-                                 mode="asym", signer=c.signer, chat=False,
-                                 transport=self.transport, **kw)
+    adaptive: ClassVar[bool] = True
 
 
-@register_mode
-class HeuristicMode(_AdaptiveMode):
-    name = "sr-heuristic"
-    description = "specrelay, transformers' heuristic depth (+2 full accept, -1 else)"
-    client_kw = {"controller": "heuristic"}
+def _adaptive_mode(name: str, description: str, baseline: bool = False, **attrs) -> type:
+    """Register an :class:`_AdaptiveMode` subclass (``attrs``: ``client_kw``,
+    ``fixed_depth``, ``ngram``)."""
+    cls_name = "".join(p.capitalize() for p in name.replace("-", " ").split()) + "Mode"
+    return register_mode(type(cls_name, (_AdaptiveMode,), {
+        "name": name, "description": description, "baseline": baseline,
+        "__doc__": description, **attrs}))
 
 
-@register_mode
-class CAACMode(_AdaptiveMode):
-    name = "caac"
-    description = "specrelay, CAAC depth controller (RAPID), stop-and-wait"
-    client_kw = {"controller": "caac"}
-
-
-@register_mode
-class UCBSpecStopMode(_AdaptiveMode):
-    name = "sr-ucb"
-    description = "specrelay, UCB-SpecStop depth bandit (delay-bucket context)"
-    client_kw = {"controller": "ucb-specstop"}
-
-
-@register_mode
-class RapidMode(_AdaptiveMode):
-    name = "rapid"
-    description = "specrelay, CAAC + IPDG (interruptible proactive drafting)"
-    client_kw = {"controller": "caac", "proactive": "ipdg"}
-
-
-@register_mode
-class RapidNPDGMode(_AdaptiveMode):
-    name = "rapid-npdg"
-    description = "specrelay, CAAC + NPDG (non-interruptible proactive baseline)"
-    client_kw = {"controller": "caac", "proactive": "npdg"}
-
-
-@register_mode
-class IPDGMode(_AdaptiveMode):
-    name = "ipdg"
-    description = "specrelay, fixed depth --depth + IPDG (interruptible proactive drafting)"
-    client_kw = {"proactive": "ipdg"}
-
-
-@register_mode
-class NPDGMode(_AdaptiveMode):
-    name = "npdg"
-    description = ("baseline: fixed depth --depth + NPDG (proactive drafting that runs to "
-                   "its planned depth whatever the verdict)")
-    baseline = True
-    client_kw = {"proactive": "npdg"}
-
-
-@register_mode
-class StopAndWaitMode(_AdaptiveMode):
-    name = "stop-and-wait"
-    description = ("baseline: fixed depth --depth, no proactive drafting (the edge idles "
-                   "while a block is verified)")
-    baseline = True
-
-
-def _fixed_mode(n: int) -> type:
-    cls = type(f"Fixed{n}Mode", (_AdaptiveMode,), {
-        "name": f"fixed-{n}", "fixed_depth": n, "baseline": True,
-        "description": f"baseline: stop-and-wait at depth {n} (candidates for best-fixed)",
-        "__doc__": f"Stop-and-wait at fixed depth {n}, whatever --depth says."})
-    return register_mode(cls)
-
-
-FIXED_DEPTH_MODES = [_fixed_mode(n) for n in range(1, 9)]
-
-
-@register_mode
-class NgramMode(_AdaptiveMode):
-    name = "sr-ngram"
-    description = "specrelay, prompt-lookup n-gram drafts, model where no match"
-    ngram = True
+ADAPTIVE_MODES = [
+    _adaptive_mode("sr-heuristic", "specrelay, transformers' heuristic depth (+2 full "
+                   "accept, -1 else)", client_kw={"controller": "heuristic"}),
+    _adaptive_mode("caac", "specrelay, CAAC depth controller (RAPID), stop-and-wait",
+                   client_kw={"controller": "caac"}),
+    _adaptive_mode("sr-ucb", "specrelay, UCB-SpecStop depth bandit (delay-bucket context)",
+                   client_kw={"controller": "ucb-specstop"}),
+    _adaptive_mode("rapid", "specrelay, CAAC + IPDG (interruptible proactive drafting)",
+                   client_kw={"controller": "caac", "proactive": "ipdg"}),
+    _adaptive_mode("rapid-npdg", "specrelay, CAAC + NPDG (non-interruptible proactive "
+                   "baseline)", client_kw={"controller": "caac", "proactive": "npdg"}),
+    _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
+                   "proactive drafting)", client_kw={"proactive": "ipdg"}),
+    _adaptive_mode("npdg", "baseline: fixed depth --depth + NPDG (proactive drafting that "
+                   "runs to its planned depth whatever the verdict)", baseline=True,
+                   client_kw={"proactive": "npdg"}),
+    _adaptive_mode("stop-and-wait", "baseline: fixed depth --depth, no proactive drafting "
+                   "(the edge idles while a block is verified)", baseline=True),
+    *[_adaptive_mode(f"fixed-{n}", f"baseline: stop-and-wait at depth {n} (candidates for "
+                     "best-fixed)", baseline=True, fixed_depth=n) for n in range(1, 9)],
+    _adaptive_mode("sr-ngram", "specrelay, prompt-lookup n-gram drafts, model where no "
+                   "match", ngram=True),
+]
+"""The issue-#5 modes: controllers, proactive drafting, fixed depths, n-gram."""
 
 
 # --------------------------------------------------------------------------- concurrent (issue #6)

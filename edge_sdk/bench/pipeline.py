@@ -307,31 +307,31 @@ def pipeline_ratios(runs: Sequence[dict], mode: str = "pipeline",
 # --------------------------------------------------------------------------- summary
 
 
+_SUMMARY_COLS = [
+    ("n_requests", "requests", 1.0, "{:.0f}"), ("throughput_tok_s", "tok/s", 1.0, "{:.2f}"),
+    ("target_passes_per_token", "passes/tok", 1.0, "{:.3f}"),
+    ("mean_batch_size", "mean batch", 1.0, "{:.2f}"),
+    ("edge_utilisation", "edge util", 1.0, "{:.2f}"),
+    ("cloud_utilisation", "cloud util", 1.0, "{:.2f}"),
+    ("edge_cpu_utilisation", "edge CPU", 1.0, "{:.2f}"),
+    ("cloud_cpu_utilisation", "cloud CPU", 1.0, "{:.2f}"),
+    ("mean_accepted_length", "tokens/round", 1.0, "{:.2f}"),
+    ("runahead_wasted_tokens", "runahead wasted", 1.0, "{:.0f}"),
+]
+
+
 def summary_md(results: dict) -> str:
     """Markdown for summary.md: the concurrent runs' utilisation and pass counts."""
     runs = [r for r in results["runs"] if split_point(r["profile"])[1] is not None]
     if not runs:
         return ""
 
-    def f(v, fmt="{:.2f}"):
-        return "–" if v is None else fmt.format(v)
-
     lines = ["", "## Concurrent runs (confirmed-prefix pipeline and baselines)", "",
              "profile = network profile @ c<concurrency>; throughput over the makespan; "
              "passes/tok from the server's counter (a batched pass counts once); edge util "
              "= draft-worker busy s / makespan; cloud util = target s / makespan; edge/cloud "
-             "CPU = CPU s of the whole edge/cloud process / makespan.", "",
-             "| mode | profile | workload | requests | tok/s | passes/tok | mean batch | "
-             "edge util | cloud util | edge CPU | cloud CPU | tokens/round | runahead wasted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        m = r["metrics"]
-        lines.append(f"| {r['mode']} | {r['profile']} | {r['workload']} | {m['n_requests']} | "
-                     f"{f(m['throughput_tok_s'])} | {f(m['target_passes_per_token'], '{:.3f}')} | "
-                     f"{f(m.get('mean_batch_size'))} | {f(m.get('edge_utilisation'))} | "
-                     f"{f(m.get('cloud_utilisation'))} | {f(m.get('edge_cpu_utilisation'))} | "
-                     f"{f(m.get('cloud_cpu_utilisation'))} | {f(m['mean_accepted_length'])} | "
-                     f"{m.get('runahead_wasted_tokens', 0)} |")
+             "CPU = CPU s of the whole edge/cloud process / makespan.", ""]
+    lines += report.runs_table(runs, _SUMMARY_COLS)
     sb = results.get("config", {}).get("strongest_baseline") or {}
     if sb:
         lines += ["", "Strongest baseline per operating point: "

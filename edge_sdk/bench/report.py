@@ -382,6 +382,18 @@ def _fmt(v: Any, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
     return "–" if v is None else fmt.format(v * scale)
 
 
+def runs_table(runs: Sequence[dict], cols: Sequence[tuple[str, str, float, str]]) -> list[str]:
+    """Markdown table lines of ``runs``: mode, profile, workload, then one column per
+    ``(metric key, title, scale, format)`` of ``cols`` (missing values: "–")."""
+    lines = ["| mode | profile | workload | " + " | ".join(c[1] for c in cols) + " |",
+             "|" + "---|" * (3 + len(cols))]
+    for run in runs:
+        m = run["metrics"]
+        lines.append(f"| {run['mode']} | {run['profile']} | {run['workload']} | "
+                     + " | ".join(_fmt(m.get(k), sc, f) for k, _, sc, f in cols) + " |")
+    return lines
+
+
 def write_summary_md(results: dict, path: str | Path) -> Path:
     """Write a markdown summary: config, a table of runs, a table of ratios."""
     lines = ["# specrelay benchmark summary", ""]

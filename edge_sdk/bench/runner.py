@@ -789,9 +789,6 @@ def _extra_summary(results: dict) -> str:
     def ms(v):
         return "–" if v is None else f"{v * 1e3:.1f}"
 
-    def num(v, fmt="{:.1f}"):
-        return "–" if v is None else fmt.format(v)
-
     lines = ["", "## Latency breakdown (ms per committed token)", "",
              "draft = edge draft compute; verify = target compute; upload/download = link "
              "model (bytes x 8 / bandwidth + RTT/2 per exchange); wait = the rest "
@@ -805,15 +802,12 @@ def _extra_summary(results: dict) -> str:
                      + f" | {ms(sum(bd.values()))} |")
     lines += ["", "## Bytes per committed token", "",
               "Protocol = message bodies (SPEC §7 metrics); link = every byte the link "
-              "emulator carried (HTTP and signing headers included).", "",
-              "| mode | profile | workload | protocol up | protocol down | link up | link down |",
-              "|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
-        m = r["metrics"]
-        lines.append(f"| {r['mode']} | {r['profile']} | {r['workload']} | "
-                     f"{num(m['uplink_bytes_per_token'])} | {num(m['downlink_bytes_per_token'])} | "
-                     f"{num(m.get('link_uplink_bytes_per_token'))} | "
-                     f"{num(m.get('link_downlink_bytes_per_token'))} |")
+              "emulator carried (HTTP and signing headers included).", ""]
+    lines += report.runs_table(results["runs"], [
+        ("uplink_bytes_per_token", "protocol up", 1.0, "{:.1f}"),
+        ("downlink_bytes_per_token", "protocol down", 1.0, "{:.1f}"),
+        ("link_uplink_bytes_per_token", "link up", 1.0, "{:.1f}"),
+        ("link_downlink_bytes_per_token", "link down", 1.0, "{:.1f}")])
     return "\n".join(lines) + "\n"
 
 
