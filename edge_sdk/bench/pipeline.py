@@ -135,18 +135,12 @@ _SERVER_SERIES = {
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text exposition: ``{series name: value}``."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) >= 2 and "{" not in parts[0]:
-            try:
-                out[parts[0]] = float(parts[1])
-            except ValueError:
-                pass
-    return out
+    """Unlabelled samples of a Prometheus text exposition: ``{sample name: value}``
+    (``prometheus_client``'s parser; counters keep their ``_total`` suffix)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: float(s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels}
 
 
 def scrape_server(url: str, timeout_s: float = 10.0) -> dict[str, float]:
@@ -202,9 +196,7 @@ def concurrent_metrics(m: dict, per_request: Sequence[dict], *, concurrency: int
              server_max_batch=server_max_batch,
              verify_rounds_per_token=(m["rounds"] / n) if n else None,
              runahead_wasted_tokens=sum(int(r.get("proactive_wasted_tokens", 0) or 0)
-                                        for r in per_request),
-             proactive_drafted_tokens=sum(int(r.get("proactive_drafted_tokens", 0) or 0)
-                                          for r in per_request))
+                                        for r in per_request))
     for key, cpu in (("edge", edge_cpu_s), ("cloud", cloud_cpu_s)):
         if cpu is not None:
             m[f"{key}_cpu_s"] = cpu
