@@ -12,15 +12,26 @@ import click
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-DEFAULT_TARGET = "smollm2-135m"
+#: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
+#: which this module does not import at start-up to keep ``--help`` fast).
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+#: SmolLM2-135M and its trained 6-layer draft: the small pair of the fast tests.
+SMOLLM2_TARGET, SMOLLM2_DRAFT = "smollm2-135m", "smollm2-135m-draft"
 
 
-def default_draft() -> str:
-    """The trained demo draft when present, else the untrained 4-layer truncation."""
+def default_draft(target: str | None = None) -> str:
+    """The draft paired with ``target`` (``edge_sdk.models.default_draft``)."""
     from edge_sdk import models
 
-    return "smollm2-135m-draft" if "smollm2-135m-draft" in models.PRESETS and \
-        models.draft_available("smollm2-135m-draft") else "smollm2-135m@4"
+    return models.default_draft(target)
+
+
+DTYPE_CHOICE = ["auto", "float32", "bfloat16"]
+DTYPE_HELP = ("Target dtype. auto = bfloat16 where the CPU has AMX/AVX512-BF16 (a 9-token "
+              "verify pass then costs about a 1-token one; greedy output may differ from "
+              "target-only only at bf16 near-ties, which are counted), else float32 (exact "
+              "greedy identity up to 1e-4 ties).")
 
 
 def make_drafter(spec: str):
@@ -37,7 +48,9 @@ def make_drafter(spec: str):
     from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import load_model
 
-    model, tok = load_model(spec)
+    # The draft's dtype does not touch exactness (the target decides every token):
+    # bfloat16 where the CPU computes it natively, float32 elsewhere.
+    model, tok = load_model(spec, dtype="auto")
     return TorchDrafter(model), tok
 
 
@@ -110,6 +123,23 @@ async def _generate(url, drafter, tok, prompt, kw, signer, ca_cert=None):
                                 target_only=kw["target_only"])
 
 
+def divergence_report(ref, res) -> dict:
+    """Greedy identity policy (README "Exactness"): where a speculative result differs
+    from the target-only one, the first differing token must be a near-tie of the
+    target (top-2 logit gap below ``sampling.NEAR_TIE_GAP`` of its dtype) in one run.
+    Returns ``near_tie_divergences`` (0/1), ``hard_divergences`` (0/1, a bug) and
+    ``first_divergence`` (token index or None)."""
+    a, b = ref.token_ids, res.token_ids
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None and len(a) != len(b):
+        i = min(len(a), len(b))
+    ties = set(ref.metrics.get("near_tie_positions", [])) | set(
+        res.metrics.get("near_tie_positions", []))
+    near = i is not None and i in ties
+    return {"first_divergence": i, "near_tie_divergences": int(near),
+            "hard_divergences": int(i is not None and not near)}
+
+
 def _print_result(res, as_json: bool, title: str, note: str | None = None,
                   extra: dict | None = None):
     if as_json:
@@ -130,7 +160,7 @@ def _print_result(res, as_json: bool, title: str, note: str | None = None,
     for k in ("acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_s",
               "throughput_tok_s", "uplink_bytes_per_token", "downlink_bytes_per_token",
               "target_passes_per_token", "target_seconds_per_token", "wasted_draft_tokens",
-              "correction_mode_counts", "tv_budget_spent"):
+              "correction_mode_counts", "tv_budget_spent", "near_tie_tokens"):
         v = res.metrics[k]
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     for k, v in (extra or {}).items():
@@ -150,8 +180,8 @@ def main():
 @click.option("--port", default=8000, show_default=True)
 @click.option("--model", default=DEFAULT_TARGET, show_default=True,
               help="Target: preset, HF path, or file.gguf.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
-              show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICE), default="auto", show_default=True,
+              help=DTYPE_HELP)
 @click.option("--threads", type=int, default=None, help="torch threads for the target.")
 @click.option("--max-batch", default=8, show_default=True)
 @click.option("--max-wait-ms", default=0.0, show_default=True)
@@ -199,7 +229,8 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
 @click.option("--api-key", envvar="SPECRELAY_API_KEY", default=None,
               help="API key (env SPECRELAY_API_KEY); omit for an --insecure-no-auth server.")
 @click.option("--draft", default=None, help="Draft model: preset, path, or an ONNX "
-              "export folder (default: the demo draft).")
+              f"export folder (default: {DEFAULT_DRAFT}; for a smollm2 --tokenizer: "
+              f"{SMOLLM2_DRAFT}).")
 @click.option("--tokenizer", default=DEFAULT_TARGET, show_default=True,
               help="Tokenizer source when the draft has none (ONNX exports).")
 @click.option("--ca-cert", type=click.Path(exists=True), default=None,
@@ -211,7 +242,7 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
     from edge_sdk.protocol.signing import Signer
 
     signer = Signer.from_api_key(api_key) if api_key else None
-    drafter, tok = make_drafter(draft or default_draft())
+    drafter, tok = make_drafter(draft or default_draft(tokenizer))
     tok = tok or load_tokenizer(tokenizer)
     if kw["target_only"]:
         drafter = None
@@ -222,13 +253,12 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
 @main.command()
 @click.argument("prompt", default="What is speculative decoding?")
 @click.option("--target", default=DEFAULT_TARGET, show_default=True)
-@click.option("--draft", default=None, help="Draft model (default: the trained demo "
-              "draft if present, else the target's first 4 layers).")
+@click.option("--draft", default=None, help=f"Draft model (default: {DEFAULT_DRAFT}; "
+              f"for a smollm2 target: {SMOLLM2_DRAFT}).")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="Also run the target alone and report identity and speed ratio.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
-              show_default=True, help="Target dtype (bfloat16: cheaper verification on "
-              "AMX CPUs; greedy identity then holds up to bf16 ties).")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICE), default="auto", show_default=True,
+              help=DTYPE_HELP)
 @sampling_options
 def demo(prompt, target, draft, compare, dtype, **kw):
     """Start a local signed server with the default models, generate, print metrics."""
@@ -238,7 +268,7 @@ def demo(prompt, target, draft, compare, dtype, **kw):
     from edge_sdk.models import load_model
     from edge_sdk.protocol.signing import Signer
 
-    draft = draft or default_draft()
+    draft = draft or default_draft(target)
     note = None
     if draft.endswith("@4"):
         note = ("draft = the target's first 4 layers, untrained: it agrees with the target "
@@ -264,6 +294,7 @@ def demo(prompt, target, draft, compare, dtype, **kw):
                                                / ref.metrics["throughput_tok_s"])
             if kw["temperature"] == 0:
                 extra["identical_to_target"] = ref.token_ids == res.token_ids
+                extra.update(divergence_report(ref, res))
     policy = (f"depth {kw['depth']}" if kw["controller"] == "fixed"
               else f"{kw['controller']} depth")
     if kw["proactive"] != "off":

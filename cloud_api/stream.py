@@ -21,8 +21,10 @@ The response is streamed with chunked transfer encoding. Its items depend on the
 
 Items::
 
-    [MSG_TOKEN=5, token_id, target_s]
-        one generated token; target_s = seconds of target compute spent on it
+    [MSG_TOKEN=5, token_id, target_s, near_tie]
+        one generated token; target_s = seconds of target compute spent on it;
+        near_tie (bool, greedy) = the target's top-2 logit gap was below the dtype's
+        near-tie gap (``sampling.NEAR_TIE_GAP``)
     [MSG_DONE=6, finish_reason, n_tokens, target_s_total, target_passes]
         end of stream; finish_reason is "eos", "length", "context_full" or
         "rate_limited"; target_s_total in seconds
@@ -65,9 +67,9 @@ def _generator(s: Session) -> torch.Generator:
         (s.seed * 1_000_003 + 0x5EED0000 + len(s.tokens)) % (2**63))
 
 
-def _step(verifier, s: Session, gen: torch.Generator) -> tuple[int, float]:
+def _step(verifier, s: Session, gen: torch.Generator) -> tuple[int, float, bool]:
     """One target pass: the next token after the confirmed sequence (runs on the
-    target executor). Extends the session; returns (token id, seconds)."""
+    target executor). Extends the session; returns (token id, seconds, near-tie)."""
     t0 = time.perf_counter()
     logits = s.kv.sync(s.tokens)[-1:]                               # [1, V]
     seen = None
@@ -75,8 +77,10 @@ def _step(verifier, s: Session, gen: torch.Generator) -> tuple[int, float]:
         seen = S.presence_mask(torch.tensor(s.tokens), torch.zeros(0, dtype=torch.long),
                                verifier.vocab_size)
     x = S.process_logits(logits, s.cfg, seen)[0]
+    tie = False
     if s.cfg.greedy:
         tok = int(S.greedy_token(x))
+        tie = bool(verifier.tie_offsets(x[None]))
     else:
         tok = int(S.sample(torch.softmax(x, dim=-1), gen))
     # the cache now holds the old confirmed sequence = new sequence minus its last token
@@ -85,7 +89,7 @@ def _step(verifier, s: Session, gen: torch.Generator) -> tuple[int, float]:
     dt = time.perf_counter() - t0
     verifier.passes += 1
     verifier.target_seconds += dt
-    return tok, dt
+    return tok, dt, tie
 
 
 async def _read_options(request: web.Request) -> dict:
@@ -165,10 +169,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if n and not charge():
                 reason = "rate_limited"
                 break
-            tok, dt = await loop.run_in_executor(svc.executor, _step, svc.verifier, s, gen)
+            tok, dt, tie = await loop.run_in_executor(svc.executor, _step, svc.verifier, s,
+                                                      gen)
             n += 1
             total_s += dt
-            await resp.write(enc([MSG_TOKEN, tok, dt]))
+            await resp.write(enc([MSG_TOKEN, tok, dt, tie]))
             if tok in eos:
                 reason = "eos"
                 break

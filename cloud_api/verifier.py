@@ -33,6 +33,8 @@ class Verifier:
         self.max_block = max_block
         self.passes = 0
         self.target_seconds = 0.0
+        self.near_tie_gap = S.near_tie_gap(next(model.parameters()).dtype)
+        self.near_ties = 0          # committed greedy tokens chosen at a near-tie
 
     def prefill(self, s: Session) -> float:
         """Fill the target cache with the prompt minus its last token. Returns seconds."""
@@ -119,9 +121,10 @@ class Verifier:
                                 self.vocab_size) if s.cfg.repetition_penalty != 1.0 else None)
         x = S.process_logits(logits, s.cfg, seen)               # float64 [g+1, V]
         gen = s.generator(req.block_seq)
-        corr, p_rej = None, None
+        corr, p_rej, ties = None, None, ()
         if s.cfg.greedy:
             a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
+            ties = self.tie_offsets(x[: a + 1])
         else:
             p = torch.softmax(x, dim=-1)
             a, nxt, corr, p_rej = self._sample_verdict(s, req, p, block, gen)
@@ -132,7 +135,15 @@ class Verifier:
         s.next_seq += 1
         s.check_kv()
         self.target_seconds += target_s
-        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s)
+        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s, ties)
+
+    def tie_offsets(self, logits: torch.Tensor) -> tuple:
+        """Offsets of the rows of ``logits`` [n, V] (the committed greedy positions) whose
+        top-2 gap is below :attr:`near_tie_gap`; counted in :attr:`near_ties`."""
+        gaps = S.top2_gap(logits)
+        ties = tuple(int(i) for i in torch.nonzero(gaps < self.near_tie_gap).flatten())
+        self.near_ties += len(ties)
+        return ties
 
     def _sample_verdict(self, s: Session, req: VerifyRequest, p, block, gen):
         g = len(block)

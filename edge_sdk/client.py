@@ -411,6 +411,8 @@ class Generation:
             m.correction_tokens += 1
             self.pending = tok
             new.append(tok)
+        base = len(tokens) - len(self.prompt_ids)      # generated tokens before this round
+        m.near_tie_positions.extend(base + i for i in resp.near_ties)
         m.rounds += 1
         m.drafted_tokens += g
         m.accepted_tokens += a

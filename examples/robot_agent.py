@@ -505,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "a signed server in this process)")
     p.add_argument("--api-key", default=os.environ.get("SPECRELAY_API_KEY"),
                    help="key for --url (env SPECRELAY_API_KEY)")
-    p.add_argument("--target", default="smollm2-135m", help="in-process target model")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b",
+                   help="in-process target model (smollm2-135m: the small pair)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
     p.add_argument("--depth", type=int, default=3, help="draft depth (tokens per block)")
     p.add_argument("--threads", type=int, default=1,
@@ -554,7 +555,7 @@ def main(argv: list[str] | None = None, robot: Robot | None = None, *, drafter=N
 
         torch.set_num_threads(args.threads)
     if drafter is None:
-        drafter, tokenizer = load_draft(args.draft)
+        drafter, tokenizer = load_draft(args.draft, args.target)
     tok = tokenizer
     robot = robot or default_world()
     with backend(args.url, args.api_key, args.target, tok,

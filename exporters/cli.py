@@ -28,7 +28,7 @@ def export():
     """
 
 
-def _load(model: str, threads: int | None):
+def _load(model: str, threads: int | None, dtype: str = "float32"):
     """``(model, tokenizer or None)``; a draft folder without tokenizer files loads too."""
     import torch
 
@@ -42,7 +42,7 @@ def _load(model: str, threads: int | None):
     tok_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                  "specrelay_draft.json")
     if spec.gguf_file or not folder.is_dir() or any((folder / f).exists() for f in tok_files):
-        return load_model(model, threads=threads)
+        return load_model(model, dtype=dtype, threads=threads)
     from transformers import AutoModelForCausalLM
 
     if threads:
@@ -65,6 +65,8 @@ def _out_for(model: str) -> Path:
 @click.option("--fp16", is_flag=True, help="also write a float16 graph in OUT/fp16")
 @click.option("--int4", is_flag=True,
               help="also write a weight-only int4 graph (MatMulNBits) in OUT/int4")
+@click.option("--int8", is_flag=True,
+              help="also write a weight-only int8 graph (MatMulNBits, 8 bits) in OUT/int8")
 @click.option("--no-parity", is_flag=True, help="skip the parity / agreement checks")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset")
 @click.option("--steps", type=int, default=64, show_default=True,
@@ -72,22 +74,29 @@ def _out_for(model: str) -> Path:
 @click.option("--threads", type=int, default=None,
               help="torch / onnxruntime intra-op threads (default: all cores)")
 @click.option("--int4-block-size", type=int, default=32, show_default=True,
-              help="weights per int4 scale")
+              help="weights per int4 / int8 scale")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="dtype the model is loaded in; the graph is always "
+              "traced in float32 (bfloat16: the bf16 draft's exact weights, widened, and "
+              "no float32 GGUF dequantisation/cache)")
 @click.option("--verbose", is_flag=True, help="show the torch.onnx exporter's output")
-def onnx_cmd(model, out, fp16, int4, no_parity, opset, steps, threads, int4_block_size,
-             verbose):
+def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int4_block_size,
+             dtype, verbose):
     """Export MODEL to ONNX with KV-cache inputs/outputs (optimum naming).
 
-    MODEL is a model spec (smollm2-135m, smollm2-135m@4 = first 4 layers, a HF id, a
-    .gguf) or a draft folder (save_pretrained layout). Writes OUT/model.onnx and
+    MODEL is a model spec (qwen2.5-coder-0.5b, smollm2-135m, smollm2-135m@4 = first 4
+    layers, a HF id, a .gguf) or a draft folder (save_pretrained layout). Llama and
+    Qwen2 decoders are supported (Qwen2's attention biases, tied or untied heads, GQA,
+    sliding-window configs). Writes OUT/model.onnx and
     OUT/specrelay_onnx.json; the float32 graph must match torch (max |logit diff| <=
     1e-3 and identical greedy tokens over --steps decode steps) or the command fails.
-    fp16/int4 variants record their greedy agreement with the float32 graph.
+    fp16/int4/int8 variants record their greedy agreement with the float32 graph.
 
     \b
     Examples:
       specrelay export onnx smollm2-135m@4 --out /tmp/s4-onnx
       specrelay export onnx smollm2-135m@4 --out /tmp/s4-onnx --fp16 --int4
+      specrelay export onnx qwen2.5-coder-0.5b --dtype bfloat16 --int4 --int8 --threads 1
       specrelay export onnx path/to/draft --out draft-onnx --no-parity --opset 18
     """
     from exporters.onnx import PARITY_TEXTS, default_prompt, export_onnx
@@ -95,7 +104,7 @@ def onnx_cmd(model, out, fp16, int4, no_parity, opset, steps, threads, int4_bloc
     out = Path(out) if out else _out_for(model)
     click.echo(f"loading {model} ...", err=True)
     try:
-        m, tok = _load(model, threads)
+        m, tok = _load(model, threads, dtype)
     except (OSError, ModuleNotFoundError, ValueError) as e:
         raise click.ClickException(f"cannot load {model}: {e}") from None
     vocab = int(m.config.vocab_size)
@@ -109,7 +118,8 @@ def onnx_cmd(model, out, fp16, int4, no_parity, opset, steps, threads, int4_bloc
         prompts = [default_prompt(vocab)]
     click.echo(f"exporting to {out} ...", err=True)
     try:
-        man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, parity=not no_parity,
+        man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, int8=int8,
+                          parity=not no_parity,
                           parity_steps=steps, prompts=prompts, source=model,
                           int4_block_size=int4_block_size, threads=threads, verbose=verbose)
     except RuntimeError as e:

@@ -1,5 +1,11 @@
-"""Export a HF causal LM (Llama family and other ``DynamicCache`` decoders) to ONNX with
-KV-cache inputs/outputs, check it against torch, and write optional fp16 / int4 variants.
+"""Export a HF causal LM (Llama, Qwen2 — the default draft Qwen2.5-Coder-0.5B — and other
+``DynamicCache`` decoders) to ONNX with KV-cache inputs/outputs, check it against torch,
+and write optional fp16 / int4 / int8 variants.
+
+Qwen2 specifics are covered: q/k/v biases, tied or untied LM heads (a tied head is
+quantised through a transposed copy), GQA, any rope theta, and sliding-window configs
+(every layer keeps its full KV cache in the graph; the window is applied by the mask,
+so a rollback is still a slice).
 
 optimum-onnx (0.1.0) pins transformers < 4.58, so the graph is produced with
 ``torch.onnx.export(..., dynamo=True)`` and laid out with optimum's names:
@@ -16,7 +22,7 @@ name                           dtype    shape (symbolic axes)
 ``present.N.key`` / ``.value`` kv       [batch_size, H_kv, past_sequence_length + sequence_length, D]
 =============================  =======  ==========================================
 
-``kv`` is float32 (fp32 and int4 exports) or float16 (fp16 export). A first call with
+``kv`` is float32 (fp32, int4 and int8 exports) or float16 (fp16 export). A first call with
 ``past_sequence_length = 0`` (empty past tensors) is valid.
 
 Layout written by :func:`export_onnx`::
@@ -24,6 +30,7 @@ Layout written by :func:`export_onnx`::
     OUT/model.onnx  [model.onnx.data]  specrelay_onnx.json      # float32
     OUT/fp16/model.onnx  specrelay_onnx.json                     # --fp16
     OUT/int4/model.onnx  specrelay_onnx.json                     # --int4 (MatMulNBits)
+    OUT/int8/model.onnx  specrelay_onnx.json                     # --int8 (MatMulNBits, 8 bits)
 
 Every folder loads with ``OnnxDrafter(folder)``.
 """
@@ -97,7 +104,10 @@ class _KVWrapper(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, past):
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        # Full-length layers for every layer, sliding-window ones included (no config):
+        # present = past + new everywhere, so a rollback stays a slice, and the window
+        # is applied by the sliding-window mask transformers builds from the config.
+        cache = DynamicCache()
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
@@ -356,44 +366,94 @@ def _materialize_transposed_weights(m) -> int:
     return done
 
 
-def quantize_int4(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
-                  symmetric: bool = True, accuracy_level: int = 4,
-                  lm_head: bool = True) -> dict:
-    """Weight-only int4 quantisation of every constant-weight MatMul (onnxruntime
-    ``MatMulNBits``). Activations, KV cache and logits stay float32.
+def _lm_head_matmul(m) -> str | None:
+    """Name of the MatMul that produces the ``logits`` output from a constant weight
+    (None when the head is not such a MatMul, e.g. a masked draft head)."""
+    inits = {i.name for i in m.graph.initializer}
+    for node in m.graph.node:
+        if "logits" in node.output and node.op_type == "MatMul" and node.input[1] in inits:
+            return node.name
+    return None
+
+
+def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: int = 4,
+                     block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4,
+                     lm_head: bool = True, lm_head_bits: int | None = None) -> dict:
+    """Weight-only quantisation of every constant-weight MatMul to ``bits`` (4 or 8;
+    onnxruntime ``MatMulNBits``, round-to-nearest per block). Activations, KV cache and
+    logits stay float32; the embedding Gather keeps float32.
 
     Args:
-        src / dst: ``.onnx`` files. block_size: weights per scale (power of 2, >= 16).
+        src / dst: ``.onnx`` files. bits: 4 or 8.
+        block_size: weights per scale (power of 2, >= 16).
+        symmetric: symmetric blocks (no zero points); False stores a zero point per
+            block.
         accuracy_level: MatMulNBits compute type on CPU (4 = int8 activations, fastest;
             0/1 = float32).
-        lm_head: also quantise a tied LM head (it reads the embedding through a
-            Transpose; a transposed copy is quantised, the embedding Gather keeps fp32).
+        lm_head: also quantise the LM head (a tied head reads the embedding through a
+            Transpose; a transposed copy is quantised).
+        lm_head_bits: bits for the LM head (4 or 8; None = ``bits``). The head decides
+            the argmax directly; 8 bits cost more memory traffic per token.
     Returns:
-        the quantisation settings and how many MatMuls were converted.
+        the quantisation settings and how many MatMuls were converted
+        (``quantized_matmuls``; ``int8_matmuls`` of them at 8 bits).
     """
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    lm_head_bits = bits if lm_head_bits is None else lm_head_bits
+    if bits not in (4, 8) or lm_head_bits not in (4, 8):
+        raise ValueError(f"bits / lm_head_bits must be 4 or 8, not {bits} / {lm_head_bits}")
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(
         logging.WARNING)
     m = onnx.load(str(src))
     if lm_head:
         _materialize_transposed_weights(m)
-    q = MatMulNBitsQuantizer(m, bits=4, block_size=block_size, is_symmetric=symmetric,
-                             accuracy_level=accuracy_level)
+    head = _lm_head_matmul(m)
+    exclude = [head] if head and (not lm_head or lm_head_bits != bits) else []
+    q = MatMulNBitsQuantizer(m, bits=bits, block_size=block_size, is_symmetric=symmetric,
+                             accuracy_level=accuracy_level, nodes_to_exclude=exclude)
     with _quiet(False):
         q.process()
     out = q.model.model
+    if head and lm_head and lm_head_bits != bits:
+        others = [n.name for n in out.graph.node if n.op_type == "MatMul" and n.name != head]
+        qh = MatMulNBitsQuantizer(out, bits=lm_head_bits, block_size=block_size,
+                                  is_symmetric=symmetric, accuracy_level=accuracy_level,
+                                  nodes_to_exclude=others)
+        with _quiet(False):
+            qh.process()
+        out = qh.model.model
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     big = out.ByteSize() > EXTERNAL_DATA_BYTES
     onnx.save_model(out, str(dst), save_as_external_data=big,
                     location=dst.name + ".data" if big else None)
-    nodes = [n.op_type for n in out.graph.node]
-    return {"method": "MatMulNBits", "bits": 4, "block_size": block_size,
+    nodes = list(out.graph.node)
+    nbits = [next((a.i for a in n.attribute if a.name == "bits"), 4) for n in nodes
+             if n.op_type == "MatMulNBits"]
+    return {"method": "MatMulNBits", "bits": bits, "block_size": block_size,
             "symmetric": symmetric, "accuracy_level": accuracy_level, "lm_head": lm_head,
-            "quantized_matmuls": nodes.count("MatMulNBits"),
-            "float_matmuls_left": nodes.count("MatMul")}
+            "lm_head_bits": lm_head_bits if lm_head and head else None,
+            "quantized_matmuls": len(nbits), "int8_matmuls": nbits.count(8),
+            "float_matmuls_left": sum(n.op_type == "MatMul" for n in nodes)}
+
+
+def quantize_int4(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
+                  symmetric: bool = True, accuracy_level: int = 4, lm_head: bool = True,
+                  lm_head_bits: int = 4) -> dict:
+    """:func:`quantize_weights` at 4 bits (``lm_head_bits=8`` keeps the head at 8)."""
+    return quantize_weights(src, dst, bits=4, block_size=block_size, symmetric=symmetric,
+                            accuracy_level=accuracy_level, lm_head=lm_head,
+                            lm_head_bits=lm_head_bits)
+
+
+def quantize_int8(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
+                  symmetric: bool = True, accuracy_level: int = 4,
+                  lm_head: bool = True) -> dict:
+    """:func:`quantize_weights` at 8 bits (MatMulNBits, int8 weights per block)."""
+    return quantize_weights(src, dst, bits=8, block_size=block_size, symmetric=symmetric,
+                            accuracy_level=accuracy_level, lm_head=lm_head)
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -432,7 +492,8 @@ def write_manifest(folder: str | os.PathLike, manifest: dict) -> Path:
 
 
 def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
-                fp16: bool = False, int4: bool = False, parity: bool = True,
+                fp16: bool = False, int4: bool = False, int8: bool = False,
+                parity: bool = True,
                 parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
                 source: str | None = None, int4_block_size: int = 32,
                 threads: int | None = None, verbose: bool = False) -> dict:
@@ -444,6 +505,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
             ``int4/`` subfolders for the variants).
         fp16: also export a float16 graph (float16 weights, KV and logits).
         int4: also write a weight-only int4 graph (MatMulNBits, float32 KV/logits).
+        int8: also write a weight-only int8 graph (MatMulNBits 8 bits, float32 KV/logits).
         parity: run :func:`check_parity` on the float32 export (steps=``parity_steps``)
             and :func:`compare_exports` on each variant; results go in the manifests.
         prompts: token-id prompts for the checks (default one :func:`default_prompt`);
@@ -494,6 +556,15 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         vm["quantization"] = qinfo
         vm["export_seconds"] = round(time.perf_counter() - t1, 2)
         variants["int4"] = vm
+    if int8:
+        t1 = time.perf_counter()
+        vdir = out / "int8"
+        qinfo = quantize_int8(path, vdir / MODEL_NAME, block_size=int4_block_size)
+        vm = _manifest(model, dtype="int8", kv_dtype="float32", opset=opset, source=source,
+                       external=(vdir / (MODEL_NAME + ".data")).exists())
+        vm["quantization"] = qinfo
+        vm["export_seconds"] = round(time.perf_counter() - t1, 2)
+        variants["int8"] = vm
     for name, vm in variants.items():
         vdir = out / name
         write_manifest(vdir, vm)  # the runner reads it

@@ -84,7 +84,7 @@ def real():
     from specrelay_cli import default_draft
 
     target, tok = load_model("smollm2-135m")
-    dmodel, _ = load_model(default_draft())
+    dmodel, _ = load_model(default_draft("smollm2-135m"))
     with local_server(target, tok) as b:
         yield b, (lambda: TorchDrafter(dmodel)), tok
 

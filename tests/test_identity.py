@@ -126,7 +126,7 @@ def test_smollm2_greedy_identity(smollm2, real_prompts):
     target, tok = smollm2
     from specrelay_cli import default_draft
 
-    draft, _ = load_model(default_draft())
+    draft, _ = load_model(default_draft("smollm2-135m"))
     depths = [(1, 5), (2, 6), (3, 7), (4, 8), (2, 8)]
 
     async def run(url, ids, pair):
@@ -157,7 +157,7 @@ def test_smollm2_bfloat16_identity_up_to_bf16_ties(real_prompts):
     from specrelay_cli import default_draft
 
     target, tok = load_model("smollm2-135m", dtype="bfloat16")
-    draft, _ = load_model(default_draft())
+    draft, _ = load_model(default_draft("smollm2-135m"))
     with BackgroundServer(create_app(target, tok)) as srv:
         for ids in real_prompts[:3]:
             ref, out = asyncio.run(_pair(srv.url, TorchDrafter(draft), tok, ids, 4, n=24))

@@ -221,7 +221,7 @@ def test_real_smollm2_chat_via_openai_client():
     from specrelay_cli import default_draft
 
     target, tok = load_model("smollm2-135m")
-    dmodel, _ = load_model(default_draft())
+    dmodel, _ = load_model(default_draft("smollm2-135m"))
     msgs = [{"role": "user", "content": "Name three colors."}]
     ids = chat_prompt_ids(tok, msgs)
     cloud, signer = _signed_cloud(target, tok)

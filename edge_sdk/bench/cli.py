@@ -71,14 +71,17 @@ def _cpus(value: str | None) -> list[int] | None:
               "standard-sd-concurrent, pipeline-standard) runs once per value, reported under the profile "
               "label <profile>@c<C>, with C*ceil(prompts/C) requests [default: 8]. "
               "Sequential modes ignore it.")
-@click.option("--target", default="smollm2-135m", show_default=True, help="Target model.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
-              show_default=True, help="Weights/compute dtype of both models (bfloat16: AMX "
-              "on this CPU; greedy identity then holds up to bfloat16 near-ties).")
+@click.option("--target", default="qwen2.5-coder-1.5b", show_default=True,
+              help="Target model (preset, path, file.gguf; smollm2-135m: the small pair).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="Weights/compute dtype of both models (auto: bfloat16 "
+              "where the CPU has AMX/AVX512-BF16, else float32; in bfloat16 greedy identity "
+              "holds up to near-ties, which are counted).")
 @click.option("--max-wait-ms", type=click.FloatRange(0.0), default=0.0, show_default=True,
               help="Cloud batcher: ms to wait for more blocks after the first of a batch.")
 @click.option("--draft", default=None,
-              help="Draft model (default: the trained draft if present, else smollm2-135m@4).")
+              help="Draft model (default: qwen2.5-coder-0.5b; for a smollm2 target its "
+              "trained draft smollm2-135m-draft).")
 @click.option("--edge-slowdown", type=click.FloatRange(1.0), default=1.0, show_default=True,
               help="Edge contention: each draft forward takes FACTOR times as long ... "
               "(with '<profile>+slow' profiles, e.g. 'medium,medium+slow', only those are "
@@ -114,8 +117,11 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
     from edge_sdk.bench import modes as M
 
     if list_modes:
-        for name, cls in M.MODES.items():
-            click.echo(f"{name:14s} {'(baseline) ' if cls.baseline else ''}{cls.description}")
+        for name in M.mode_names():
+            cls = M.MODES[name]
+            tag = "(peer) " if getattr(cls, "peer", False) else ""
+            click.echo(f"{name:14s} {tag}{'(baseline) ' if cls.baseline else ''}"
+                       f"{cls.description}")
         return
     from edge_sdk.bench.runner import QUICK, BenchConfig, run_bench
 
@@ -169,7 +175,7 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
     try:
         results = run_bench(cfg, out_dir, progress=not no_progress,
                             log=lambda s: click.echo(s, err=True))
-    except ValueError as e:
+    except (ValueError, ImportError) as e:      # ImportError: a peer engine not installed
         raise click.UsageError(str(e)) from None
     elapsed = time.perf_counter() - t0
     _print_summary(results, out_dir, elapsed)
@@ -222,6 +228,11 @@ def _print_summary(results: dict, out_dir: str, elapsed: float) -> None:
     ident = results["config"].get("greedy_outputs_identical")
     if ident is not None:
         con.print(f"greedy outputs identical across modes: {ident}")
+    div = results["config"].get("greedy_divergences")
+    if div and div.get("compared"):
+        con.print(f"greedy vs target alone: {div['identical']}/{div['compared']} identical, "
+                  f"near_tie_divergences {div['near_tie_divergences']}, "
+                  f"hard_divergences {div['hard_divergences']}")
     con.print(f"wrote {out_dir}/results.json, summary.md, throughput.png, "
               f"latency_breakdown.png, acceptance_hist.png, requests.jsonl "
               f"in {elapsed:.1f} s")

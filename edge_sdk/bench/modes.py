@@ -24,6 +24,11 @@ see :mod:`edge_sdk.bench.pipeline`):
   run independently, no cross-request re-batching).
 * ``pipeline-standard`` — ablation: the pipeline with the full-q standard protocol.
 
+Peer engines (:mod:`edge_sdk.bench.peers`, registered on the first mode lookup, not on
+import): ``llamacpp-ar``, ``llamacpp-spec`` (llama.cpp through ``xllamacpp``, the
+``[bench]`` extra), ``hf-ar``, ``hf-assisted`` (transformers ``generate``), run on the
+cloud's CPUs with the cloud's thread count, without the link emulator.
+
 Adding a mode (CAAC, IPDG, a multi-request pipeline, ...)::
 
     @register_mode
@@ -69,6 +74,7 @@ __all__ = [
     "CloudARMode", "StandardSDMode", "SpecRelayMode", "CloudStreamClient",
     "ConcurrentMode", "PipelineMode", "NoPipelineMode", "RunaheadMode",
     "StandardSDConcurrentMode", "PipelineStandardMode", "TaggingTransport",
+    "RunSetup", "PLUGIN_MODULES", "load_plugins",
 ]
 
 
@@ -192,6 +198,20 @@ class _LinkMeter:
         return up - self.start[0], down - self.start[1]
 
 
+@dataclass(frozen=True)
+class RunSetup:
+    """What :meth:`BenchMode.setup_run` gets once per bench run: the run's model sources
+    (``target``; ``draft`` = the edge's draft source), the model ``dtype``, and the
+    cloud's CPU ids and thread count (engines that stand in for the cloud, the peer
+    modes of :mod:`edge_sdk.bench.peers`, run on these)."""
+
+    target: object
+    draft: object
+    dtype: str
+    cloud_cpus: tuple[int, ...] = ()
+    cloud_threads: int = 1
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -210,6 +230,23 @@ class BenchMode(ABC):
 
     def __init__(self, ctx: EdgeContext):
         self.ctx = ctx
+
+    @classmethod
+    def setup_run(cls, run: RunSetup) -> None:
+        """Once per bench run, before the cloud starts (``run_bench`` calls it for every
+        mode of the run): check that the mode can run and note what its cells share
+        (e.g. a peer engine's models, loaded on first use). Raise ImportError or
+        ValueError with a one-line reason when it cannot run."""
+
+    @classmethod
+    def teardown_run(cls) -> None:
+        """Once per bench run, after the last cell: free what the run's cells shared."""
+
+    @classmethod
+    def run_metrics(cls, per_request: Sequence[dict]) -> dict:
+        """Extra run-level metrics from one cell's per-request metrics (merged into the
+        cell's ``metrics`` in results.json; default none)."""
+        return {}
 
     async def open(self) -> None:
         """Acquire per-run resources (HTTP sessions, clients)."""
@@ -236,6 +273,23 @@ class BenchMode(ABC):
 MODES: dict[str, type[BenchMode]] = {}
 """Mode name → class. Fill with :func:`register_mode`."""
 
+PLUGIN_MODULES = ("edge_sdk.bench.peers",)
+"""Modules that register more modes, imported on first lookup (:func:`load_plugins`),
+not when ``edge_sdk`` or this module is imported."""
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Import :data:`PLUGIN_MODULES` once (they call :func:`register_mode`)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    import importlib
+
+    for mod in PLUGIN_MODULES:
+        importlib.import_module(mod)
+
 
 def register_mode(cls: type[BenchMode]) -> type[BenchMode]:
     """Class decorator adding a :class:`BenchMode` subclass to :data:`MODES` by its
@@ -250,6 +304,8 @@ def register_mode(cls: type[BenchMode]) -> type[BenchMode]:
 
 def get_mode(name: str) -> type[BenchMode]:
     """The mode class for ``name``. Raises ValueError listing the known modes."""
+    if name not in MODES:
+        load_plugins()
     try:
         return MODES[name]
     except KeyError:
@@ -257,7 +313,8 @@ def get_mode(name: str) -> type[BenchMode]:
 
 
 def mode_names() -> list[str]:
-    """Registered mode names, in registration order."""
+    """Registered mode names (plugins included), in registration order."""
+    load_plugins()
     return list(MODES)
 
 
@@ -419,6 +476,7 @@ class CloudStreamClient:
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(timeout=self._timeout)
         times: list[float] = []
+        ties: list[int] = []           # generated-token indices chosen at a near-tie
         target_s, passes, down, t_first = 0.0, 0, 0, None
         server_reason = None
         try:
@@ -443,6 +501,8 @@ class CloudStreamClient:
                             target_s += float(item[2])
                             passes += 1
                             if not committer.done:
+                                if len(item) > 3 and item[3]:
+                                    ties.append(len(committer.token_ids))
                                 committer.push(int(item[1]))
                                 times.append(now - t_start)
                                 t_first = t_first or now
@@ -467,6 +527,7 @@ class CloudStreamClient:
              "target_seconds": target_s, "wasted_draft_tokens": 0,
              "correction_mode_counts": {"bounded": 0, "proposal": 0, "full": 0},
              "tv_budget_spent": 0.0, "draft_seconds": 0.0,
+             "near_tie_tokens": len(ties), "near_tie_positions": ties,
              "http_exchanges": len(calls) + 1}
         return {"token_ids": list(committer.token_ids), "text": committer.text,
                 "finish_reason": finish, "metrics": m}

@@ -131,6 +131,7 @@ def aggregate(per_request_metrics: Sequence[dict]) -> dict:
     * ``uplink_bytes_per_token``, ``downlink_bytes_per_token`` = Σ bytes / Σ committed
     * ``target_passes_per_token``, ``target_seconds_per_token`` = Σ / Σ committed
     * ``wasted_draft_tokens`` = Σ wasted (count over the run)
+    * ``near_tie_tokens`` = Σ greedy tokens the target chose at a near-tie (count)
     * ``proactive_hit_rate`` = Σ proactive_hits / Σ proactive_attempts
     * ``correction_mode_counts`` = per-stage sums
     * ``tv_budget_spent`` = mean per request of the TV budget charged
@@ -195,6 +196,7 @@ def aggregate(per_request_metrics: Sequence[dict]) -> dict:
         "target_passes_per_token": _div(tot("target_passes"), committed),
         "target_seconds_per_token": _div(tot("target_seconds"), committed),
         "wasted_draft_tokens": wasted,
+        "near_tie_tokens": int(tot("near_tie_tokens")),
         "proactive_hit_rate": _div(tot("proactive_hits"), tot("proactive_attempts")),
         "correction_mode_counts": corrections,
         "tv_budget_spent": float(np.mean(tv)),

@@ -51,7 +51,8 @@ from edge_sdk.bench import adaptive as A
 from edge_sdk.bench import pipeline as P
 from edge_sdk.bench import report
 from edge_sdk.bench.linkem import PROFILES, LinkEmulatorThread, Profile
-from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RequestRecord, get_mode)
+from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RequestRecord, RunSetup,
+                                  get_mode)
 from edge_sdk.bench.workloads import Prompt, load_workload
 from edge_sdk.drafters.base import Drafter
 
@@ -110,9 +111,9 @@ class BenchConfig:
     seed: int = 0
     max_new_tokens: int = 64
     depth: int = 4
-    target: object = "smollm2-135m"
+    target: object = "qwen2.5-coder-1.5b"
     draft: object = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     cloud_cpus: Sequence[int] | None = None
     edge_cpus: Sequence[int] | None = None
     cloud_threads: int | None = None
@@ -135,41 +136,56 @@ class BenchConfig:
 
 
 _QUICK_BASIC = ["cloud-ar", "standard-sd", "specrelay"]
-_QUICK_ADAPTIVE = ["caac", "fixed-1", "fixed-2", "fixed-4", "stop-and-wait", "ipdg", "npdg"]
-QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + ["pipeline", "no-pipeline", "runahead",
-                                                     "standard-sd-concurrent"],
-             profiles=["weak", "cellular-edge", "strong", "medium", "medium+slow"],
-             workloads=["mtbench", "humaneval"],
-             sampling=["greedy"], prompts=1, max_new_tokens=20, concurrency=[8],
-             concurrent_profiles=["weak", "strong"], concurrent_workloads=["mtbench"],
+_QUICK_ADAPTIVE = ["caac", "fixed-3", "fixed-5"]          # medium and medium+slow
+_QUICK_PROACTIVE = ["stop-and-wait", "ipdg", "npdg"]      # medium, at --depth
+_QUICK_PEERS = ["llamacpp-ar", "llamacpp-spec"]
+_QUICK_CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent"]
+QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PEERS
+             + _QUICK_CONCURRENT,
+             profiles=["medium", "medium+slow", "weak"],
+             workloads=["humaneval"],
+             sampling=["greedy"], prompts=4, max_new_tokens=32, concurrency=[8],
+             concurrent_profiles=["weak"], concurrent_workloads=["humaneval"],
              concurrent_max_new_tokens=16, concurrent_depth=1,
-             edge_slowdown=3.0, slowdown_at_s=1.5,
-             mode_profiles={**{m: ["weak", "cellular-edge", "strong"] for m in _QUICK_BASIC},
+             edge_slowdown=3.0, slowdown_at_s=3.0,
+             mode_profiles={**{m: ["medium"] for m in _QUICK_BASIC + _QUICK_PROACTIVE
+                               + _QUICK_PEERS},
                             **{m: ["medium", "medium+slow"] for m in _QUICK_ADAPTIVE}},
-             mode_workloads={m: ["humaneval"] for m in _QUICK_ADAPTIVE})
-"""``--quick`` settings: one greedy prompt per workload, 20 tokens, three profiles for the
-basic modes; the adaptive modes (CAAC, fixed depths 1/2/4, IPDG, NPDG, stop-and-wait) on
-humaneval over ``medium`` and ``medium+slow`` (3x slower draft forwards from 1.5 s into
-each run); the confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16
-tokens, depth 1 (mtbench; weak and strong; depth 1 is the pipeline's best measured
-operating point on this CPU target). About 4 minutes on 2 quiet CPU cores."""
+             mode_workloads=None)
+"""``--quick`` settings (the default pair; <= 10 minutes on 2 quiet CPU cores): 4 greedy
+HumanEval prompts x 32 tokens per cell. The basic modes, IPDG / NPDG / stop-and-wait
+(at ``--depth``) and the llama.cpp peers on ``medium``; CAAC and fixed depths 3 and 5 on
+``medium`` and ``medium+slow`` (3x slower draft forwards from 3 s into each run); the
+confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16 tokens, depth 1,
+on ``weak``. Ratio rows: uplink vs standard-sd, specrelay vs cloud-ar, caac vs
+best-fixed, ipdg vs npdg / stop-and-wait, pipeline vs the strongest baseline, and each
+peer's speculative gain."""
 
 
 def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
     """``compute_ratios`` specs: every non-baseline mode against every baseline mode of
     the run, for ``throughput_tok_s`` (higher is better) and, against ``standard-sd``,
-    ``uplink_bytes_per_token`` (lower is better)."""
+    ``uplink_bytes_per_token`` (lower is better). Peer engines (``peer = True``,
+    :mod:`edge_sdk.bench.peers`) are not paired with our modes: each peer's speculative
+    mode gets one row against its own engine's target-only mode (``gain_baseline``), its
+    *speculative gain* (e.g. ``llamacpp-spec`` / ``llamacpp-ar``, beside ``specrelay`` /
+    ``cloud-ar``)."""
     specs = []
     modes = [m for m in modes if not getattr(get_mode(m), "adaptive", False)]
-    base = [m for m in modes if get_mode(m).baseline]
+    peers = [m for m in modes if getattr(get_mode(m), "peer", False)]
+    base = [m for m in modes if get_mode(m).baseline and m not in peers]
     for m in modes:
-        if get_mode(m).baseline:
+        if get_mode(m).baseline or m in peers:
             continue
         for b in base:
             if b == "standard-sd":
                 specs.append(("uplink_bytes_per_token", m, b, False))
         for b in base:
             specs.append(("throughput_tok_s", m, b, True))
+    for m in peers:
+        gain_base = getattr(get_mode(m), "gain_baseline", None)
+        if gain_base in modes:
+            specs.append(("throughput_tok_s", m, gain_base, True))
     return specs
 
 
@@ -607,16 +623,27 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         prompt_sets = {w: list(ps) for w, ps in cfg.prompt_sets.items()}
     else:
         prompt_sets = {w: load_workload(w, cfg.prompts, cfg.seed) for w in cfg.workloads}
+    from edge_sdk.models import default_draft, resolve_dtype
+
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype))
     draft_src = cfg.draft
     if draft_src is None:
-        from specrelay_cli import default_draft
-
-        draft_src = default_draft()
+        draft_src = default_draft(cfg.target if isinstance(cfg.target, str) else None)
     cloud_cpus, edge_cpus = split_cpus(cfg.cloud_cpus, cfg.edge_cpus)
     cloud_threads = cfg.cloud_threads or len(cloud_cpus)
     edge_threads = cfg.edge_threads or len(edge_cpus)
 
     old_aff, old_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    run_setup = RunSetup(cfg.target, draft_src, cfg.dtype, tuple(cloud_cpus), cloud_threads)
+    set_up: list = []                  # modes whose setup_run ran (teardown_run at the end)
+    try:
+        for mcls in dict.fromkeys(mode_classes):
+            mcls.setup_run(run_setup)
+            set_up.append(mcls)
+    except BaseException:
+        for mcls in reversed(set_up):
+            mcls.teardown_run()
+        raise
     cloud = CloudServerProcess(cfg.target, cloud_cpus, cloud_threads, cfg.auth, cfg.dtype,
                                cfg.server_kw).launch()
     records_out: list[dict] = []
@@ -710,6 +737,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                         m["draft_slowed_calls"] = getattr(drafter, "slowed_calls", 0) - slowed0
                         per = [r.metrics for r in recs]
                         m.update(A.proactive_timing(per), **A.depth_summary(per))
+                        m.update(mcls.run_metrics(per))
                         for k in ("proactive_late_steps", "proactive_wasted_tokens",
                                   "proactive_drafted_tokens"):
                             m[k] = sum(p.get(k, 0) or 0 for p in per)
@@ -723,9 +751,12 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                                 "output_sha": _digest(r.token_ids), "metrics": r.metrics})
     finally:
         cloud.stop()
+        for mcls in reversed(set_up):
+            mcls.teardown_run()
         os.sched_setaffinity(0, old_aff)
         torch.set_num_threads(old_threads)
 
+    peer_names = {m.name for m in mode_classes if getattr(m, "peer", False)}
     ratios = (report.compute_ratios(runs, ratio_specs([m.name for m in mode_classes]))
               + A.adaptive_ratios(runs) + P.pipeline_ratios(runs))
     config = {
@@ -753,11 +784,19 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         "target_load_s": round(info["load_s"], 3), "draft_load_s": round(draft_load_s, 3),
         "greedy_outputs_identical": _greedy_identity(
             records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets}),
+        "greedy_divergences": greedy_divergences(
+            records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets}),
         "bench_wall_s": round(time.perf_counter() - t_begin, 1),
         "loadavg_1m_end": round(os.getloadavg()[0], 2),
         "host": f"{platform.node()} ({os.cpu_count()} CPUs, python "
                 f"{platform.python_version()}, torch {torch.__version__})",
     }
+    if peer_names:
+        from edge_sdk.bench import peers
+
+        config["peer_greedy_agreement"] = peers.greedy_agreement(
+            records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets},
+            peer_names)
     results = {"config": config, "runs": runs, "ratios": ratios}
     report.validate_results(results)
     if out_dir is not None:
@@ -775,6 +814,11 @@ def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> li
         f.write(_extra_summary(results))
         f.write(A.summary_md(results))
         f.write(P.summary_md(results))
+        if any(getattr(get_mode(m), "peer", False) for m in results["config"].get("modes", ())
+               if _known_mode(m)):
+            from edge_sdk.bench import peers
+
+            f.write(peers.summary_md(results))
     paths += report.write_plots(results, out)
     req = out / "requests.jsonl"
     with open(req, "w", encoding="utf-8") as f:
@@ -782,6 +826,14 @@ def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> li
             f.write(json.dumps(r) + "\n")
     paths.append(req)
     return paths
+
+
+def _known_mode(name: str) -> bool:
+    try:
+        get_mode(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _extra_summary(results: dict) -> str:
@@ -811,12 +863,62 @@ def _extra_summary(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Modes that run another engine (other kernels, other numerics): outside the identity check
+#: (the peer engines of :mod:`edge_sdk.bench.peers`; see ``config.peer_greedy_agreement``).
+OTHER_ENGINE_PREFIXES = ("llamacpp", "hf-")
+
+
+def _same_engine(r: dict) -> bool:
+    return not r["mode"].startswith(OTHER_ENGINE_PREFIXES)
+
+
+def greedy_divergences(records: list[dict], greedy_labels: set[str]) -> dict:
+    """Greedy identity with near-ties counted, per request against the reference of its
+    (profile, workload, prompt): the ``cloud-ar`` record (the target alone) when there is
+    one, else the first mode's.
+
+    A diverging request is a *near-tie divergence* when, at the first differing index,
+    either run's target choice was a near-tie (``near_tie_positions``: top-2 logit gap
+    below ``sampling.NEAR_TIE_GAP`` of the target dtype), else a *hard divergence*
+    (which would be a bug). Returns counts ``compared``, ``identical``,
+    ``near_tie_divergences``, ``hard_divergences`` and up to 10 ``examples``
+    (mode, profile, workload, prompt_id, index).
+    """
+    groups: dict[tuple, list] = {}
+    for r in records:
+        if r["workload"] in greedy_labels and _same_engine(r):
+            groups.setdefault((r["profile"], r["workload"], r["prompt_id"]), []).append(r)
+    out = {"compared": 0, "identical": 0, "near_tie_divergences": 0, "hard_divergences": 0,
+           "examples": []}
+    for key, rs in groups.items():
+        ref = next((r for r in rs if r["mode"] == "cloud-ar"), rs[0])
+        ref_ties = set(ref["metrics"].get("near_tie_positions") or [])
+        for r in rs:
+            if r is ref:
+                continue
+            out["compared"] += 1
+            a, b = ref["token_ids"], r["token_ids"]
+            i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if i is None and len(a) == len(b):
+                out["identical"] += 1
+                continue
+            i = min(len(a), len(b)) if i is None else i
+            ties = ref_ties | set(r["metrics"].get("near_tie_positions") or [])
+            kind = "near_tie_divergences" if i in ties else "hard_divergences"
+            out[kind] += 1
+            if len(out["examples"]) < 10:
+                out["examples"].append({"mode": r["mode"], "profile": key[0],
+                                        "workload": key[1], "prompt_id": key[2], "index": i,
+                                        "kind": kind})
+    return out
+
+
 def _greedy_identity(records: list[dict], greedy_labels: set[str]):
     """For greedy cells: do all modes produce the same tokens per (profile, workload,
     prompt)? True/False, or None when no cell ran two modes."""
     groups: dict[tuple, list] = {}
     for r in records:
-        if r["workload"] in greedy_labels:
+        if r["workload"] in greedy_labels and _same_engine(r):
             groups.setdefault((r["profile"], r["workload"], r["prompt_id"]), []).append(
                 r["output_sha"])
     comparable = [v for v in groups.values() if len(v) >= 2]

@@ -11,6 +11,20 @@ from edge_sdk.drafters.base import Drafter
 from edge_sdk.kvmodel import KVModel
 
 
+def quantize_dynamic_int8(model):
+    """``model`` (float32; modified in place and returned) with every ``nn.Linear``
+    (the LM head included) replaced by a dynamically quantised int8 Linear
+    (``torch.ao.quantization.quantize_dynamic``: per-tensor int8 weights, activations
+    quantised per call; fbgemm/x86 kernels on CPU)."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notice
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
 class TorchDrafter(Drafter):
     """Any HF causal LM as a draft model (KV cache via :class:`KVModel`)."""
 

@@ -214,6 +214,29 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(z > 0, r, p)
 
 
+#: Top-2 logit gap below which a greedy choice is a *near-tie*, per target dtype: two
+#: passes of different shapes (a 1-token decode, a 9-token verify block, a batch) may
+#: then pick different argmaxes. float32: 1e-4. bfloat16: 0.25 — logits of magnitude
+#: 16-32 are spaced 0.125 apart in bf16, and a probe on Qwen2.5-Coder-1.5B measured
+#: max |delta logit| 0.25 between a 1-token and a 9-token pass of the same prefix.
+NEAR_TIE_GAP = {"float32": 1e-4, "float16": 0.03, "bfloat16": 0.25}
+
+
+def near_tie_gap(dtype: torch.dtype | str) -> float:
+    """:data:`NEAR_TIE_GAP` for a torch dtype or its name (unknown: the float32 value)."""
+    name = str(dtype).replace("torch.", "")
+    return NEAR_TIE_GAP.get(name, NEAR_TIE_GAP["float32"])
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """Gap between the largest and second-largest logit of each row.
+
+    logits: [n, V] (any float dtype). Returns float64 [n] (>= 0).
+    """
+    top = torch.topk(logits.to(PROB_DTYPE), 2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
 def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor):
     """Greedy rule. draft: [g] ids; target_logits: [g+1, V] processed logits.
 

@@ -187,17 +187,25 @@ class VerifyResponse:
     correction: Correction | None
     base_len: int
     target_s: float
+    #: offsets (0 = first accepted draft) of the committed greedy tokens whose target
+    #: top-2 logit gap was below the dtype's near-tie gap (``sampling.NEAR_TIE_GAP``):
+    #: there a pass of another shape may pick another argmax. Greedy sessions only.
+    near_ties: tuple = ()
 
     def encode(self) -> bytes:
         return pack([MSG_VERIFY_OK, self.block_seq, self.accepted, self.next_token,
                      None if self.correction is None else self.correction.to_wire(),
-                     self.base_len, float(self.target_s)])
+                     self.base_len, float(self.target_s), [int(i) for i in self.near_ties]])
 
     @classmethod
     def decode(cls, body: bytes) -> "VerifyResponse":
         m = unpack(body)
-        if not isinstance(m, list) or len(m) != 7 or m[0] != MSG_VERIFY_OK:
+        if not isinstance(m, list) or len(m) not in (7, 8) or m[0] != MSG_VERIFY_OK:
             raise WireError("body", "not a verify response")
+        ties = m[7] if len(m) == 8 else []
+        if not isinstance(ties, list) or len(ties) > 4096:
+            raise WireError("near_ties", "expected a list of offsets")
+        ties = tuple(_int(i, "near_ties", 0, 4096) for i in ties)
         nxt = None if m[3] is None else _int(m[3], "next_token")
         corr = None if m[4] is None else Correction.from_wire(m[4])
         if (nxt is None) == (corr is None):
@@ -206,7 +214,7 @@ class VerifyResponse:
         if not isinstance(t, float) or not math.isfinite(t):
             raise WireError("target_s", "expected a float")
         return cls(_int(m[1], "block_seq"), _int(m[2], "accepted"), nxt, corr,
-                   _int(m[5], "base_len"), t)
+                   _int(m[5], "base_len"), t, ties)
 
 
 # ----------------------------------------------------------------------------- correction

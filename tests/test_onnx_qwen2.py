@@ -1,0 +1,225 @@
+"""ONNX export of the Qwen2 architecture (the default draft, Qwen2.5-Coder-0.5B):
+attention biases, tied / untied heads, GQA, rope theta, sliding-window configs, the
+int4 (MatMulNBits) variant with an 8-bit head, and the cached draft runtimes of
+``edge_sdk.drafters.runtime``.
+
+Tiny random Qwen2 models (2 layers, hidden 64, vocab 512) keep this fast; one
+``real_model`` test exports the real 0.5B draft to int4.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge_sdk.drafters.onnx import OnnxDrafter
+from edge_sdk.drafters.torch import TorchDrafter
+from edge_sdk.protocol.sampling import SamplingConfig
+from exporters.onnx import check_parity, export_graph, export_onnx, quantize_int4
+
+VOCAB, LAYERS, HEADS, KV_HEADS, HIDDEN = 512, 2, 4, 2, 64
+
+
+def tiny_qwen2(seed: int = 0, tie: bool = True, **kw):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                      rope_theta=1e6, tie_word_embeddings=tie, eos_token_id=0,
+                      bos_token_id=1, **kw)
+    torch.manual_seed(seed)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.mul_(4.0)  # peaky distributions: greedy choices far from ties
+            if name.endswith("proj.bias"):
+                p.add_(torch.randn_like(p))  # biases that matter
+    return m.eval().requires_grad_(False)
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "specrelay_onnx.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen2()
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen2-onnx")
+    export_onnx(model, out, fp16=True, int4=True, parity_steps=32, threads=1,
+                prompts=[[1, 17, 230, 5, 480, 2, 9, 77]], source="tiny-qwen2")
+    return out
+
+
+def test_qwen2_export_parity_and_manifest(exported):
+    man = _manifest(exported)
+    assert man["model_type"] == "qwen2" and man["architecture"] == "Qwen2ForCausalLM"
+    assert (man["num_layers"], man["num_kv_heads"], man["head_dim"], man["vocab_size"]) == (
+        LAYERS, KV_HEADS, HIDDEN // HEADS, VOCAB)
+    par = man["parity"]
+    assert par["passed"] and par["greedy_identical"], par
+    assert par["max_abs_logit_diff"] <= 1e-3
+    q = _manifest(exported / "int4")["quantization"]
+    # q, k, v, o, gate, up, down per layer + the tied head (a transposed copy)
+    assert q["quantized_matmuls"] == 7 * LAYERS + 1 and q["float_matmuls_left"] == 2 * LAYERS
+    for v in ("fp16", "int4"):
+        assert 0.0 <= _manifest(exported / v)["agreement_vs_fp32"]["greedy_agreement"] <= 1.0
+
+
+def test_qwen2_attention_biases_are_in_the_graph(model, exported):
+    """A model that differs only in one k_proj bias fails the parity check."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[1].self_attn.k_proj.bias.add_(2.0)
+        other.model.layers[0].self_attn.q_proj.bias.mul_(-1.0)
+    res = check_parity(exported, other, steps=4, prompt=[3, 4, 5, 6, 7], threads=1)
+    assert not res["passed"] and res["max_abs_logit_diff"] > 1e-2
+
+
+def test_qwen2_greedy_drafts_identical_to_torch_across_rollbacks(model, exported):
+    """GQA + rope at shifted positions: the ONNX drafter reproduces torch's greedy
+    drafts through accept / reject / rollback rounds."""
+    td, od = TorchDrafter(model), OnnxDrafter(exported, threads=1)
+    rng, cfg = random.Random(0), SamplingConfig()
+    ctx = [1, 17, 230, 5, 480, 2, 9]
+    for rnd in range(8):
+        depth = 1 + rnd % 4
+        bt, bo = td.propose(ctx, depth, cfg), od.propose(ctx, depth, cfg)
+        assert bt.tokens == bo.tokens, f"round {rnd}"
+        assert od.cache_len() == td.cache_len() == len(ctx) + depth - 1
+        k = rng.randint(0, depth)
+        ctx = ctx + bo.tokens[:k] + [rng.randrange(VOCAB)]
+    cfg = SamplingConfig(temperature=0.8, top_p=0.95)
+    bt = td.propose(ctx, 4, cfg, torch.Generator().manual_seed(7))
+    bo = od.propose(ctx, 4, cfg, torch.Generator().manual_seed(7))
+    assert bt.tokens == bo.tokens and torch.allclose(bt.q, bo.q, atol=1e-5, rtol=0)
+
+
+def test_qwen2_untied_head_int4_with_8bit_head(tmp_path):
+    """Untied LM head (as in the dequantised Qwen2.5 GGUF): exported, parity-checked,
+    and quantised with the head at 8 bits (``lm_head_bits=8``)."""
+    m = tiny_qwen2(seed=3, tie=False)
+    export_graph(m, tmp_path / "model.onnx")
+    par = check_parity(tmp_path / "model.onnx", m, steps=16, threads=1)
+    assert par["passed"], par
+    info = quantize_int4(tmp_path / "model.onnx", tmp_path / "q" / "model.onnx",
+                         lm_head_bits=8)
+    assert info["quantized_matmuls"] == 7 * LAYERS + 1 and info["int8_matmuls"] == 1
+    assert info["lm_head_bits"] == 8
+    info4 = quantize_int4(tmp_path / "model.onnx", tmp_path / "q4" / "model.onnx",
+                          lm_head=False)
+    assert info4["quantized_matmuls"] == 7 * LAYERS and info4["lm_head_bits"] is None
+
+
+def test_qwen2_sliding_window_config_exports_full_cache(tmp_path):
+    """A sliding-window Qwen2 config (window 6, layer 1 sliding): the graph keeps the
+    full KV cache (present = past + new, so rollback is a slice) and masks to the
+    window, matching torch beyond the window length."""
+    m = tiny_qwen2(seed=4, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    assert "sliding_attention" in m.config.layer_types
+    export_graph(m, tmp_path / "model.onnx")
+    prompt = list(range(2, 14))  # 12 tokens > window
+    par = check_parity(tmp_path / "model.onnx", m, steps=16, prompt=prompt, threads=1)
+    assert par["passed"], par
+    od = OnnxDrafter(tmp_path, threads=1)
+    od.propose(prompt, 3, SamplingConfig())
+    assert od.cache_len() == len(prompt) + 2
+
+
+# ----------------------------------------------------------------------------- runtimes
+
+def test_runtime_spec_suffix_and_cache_path(monkeypatch, tmp_path):
+    from edge_sdk.drafters.runtime import RUNTIMES, onnx_cache_path, split_runtime
+
+    monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path))
+    assert split_runtime("qwen2.5-coder-0.5b+onnx-int4") == ("qwen2.5-coder-0.5b", "onnx-int4")
+    assert split_runtime("qwen2.5-coder-0.5b") == ("qwen2.5-coder-0.5b", None)
+    assert split_runtime("dir/c++model") == ("dir/c++model", None)
+    assert set(RUNTIMES) >= {"torch", "torch-int8", "onnx-fp32", "onnx-int8", "onnx-int4"}
+    assert onnx_cache_path("qwen2.5-coder-0.5b") == tmp_path / "onnx" / "qwen2.5-coder-0.5b-int4"
+
+
+def test_runtime_builds_caches_and_reuses_onnx_int4(monkeypatch, tmp_path):
+    """``build_drafter(folder, runtime="onnx-int4")`` exports once into the cache
+    (atomically: no temp folder left), reuses it, and rebuilds on a key change."""
+    from edge_sdk.drafters import runtime as rt
+
+    m = tiny_qwen2(seed=5)
+    src = tmp_path / "draft"
+    m.save_pretrained(src)
+    _save_tokenizer(src)
+    monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
+    d, tok = rt.build_drafter(str(src) + "+onnx-int4")
+    assert isinstance(d, OnnxDrafter) and tok is not None
+    folder = rt.onnx_cache_path(str(src), "int4")
+    man = _manifest(folder)
+    assert man["cache_key"] == rt.cache_key(str(src), "int4")
+    assert man["quantization"]["bits"] == 4 and man["fp32_parity"]["passed"]
+    assert not (folder / "fp32").exists()
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
+    mtime = (folder / "model.onnx").stat().st_mtime_ns
+    calls = []
+    monkeypatch.setattr(rt, "build_onnx_export", lambda *a, **k: calls.append(a))
+    d2, _ = rt.build_drafter(str(src), runtime="onnx-int4")
+    assert not calls and (folder / "model.onnx").stat().st_mtime_ns == mtime
+    assert d2.propose([1, 2, 3], 3, SamplingConfig()).tokens == d.propose(
+        [1, 2, 3], 3, SamplingConfig()).tokens
+    assert d2.runner.session.get_session_options().intra_op_num_threads == 1
+
+
+def test_runtime_torch_int8_and_unknown(tmp_path):
+    from edge_sdk.drafters import runtime as rt
+
+    m = tiny_qwen2(seed=6)
+    src = tmp_path / "draft"
+    m.save_pretrained(src)
+    _save_tokenizer(src)
+    d, _ = rt.build_drafter(str(src), runtime="torch-int8")
+    assert isinstance(d, TorchDrafter)
+    assert any("quantized" in type(x).__module__ for x in d.kv.model.modules())
+    assert len(d.propose([1, 2, 3], 3, SamplingConfig()).tokens) == 3
+    with pytest.raises(ValueError, match="unknown draft runtime"):
+        rt.build_drafter(str(src), runtime="tflite")
+
+
+def _save_tokenizer(folder: Path) -> None:
+    from tests.conftest import tiny_tokenizer
+
+    tiny_tokenizer(VOCAB).save_pretrained(folder)
+
+
+# ----------------------------------------------------------------------------- real model
+
+@pytest.mark.real_model
+def test_real_qwen_0_5b_int4_export_agrees_with_torch(tmp_path):
+    """Export Qwen2.5-Coder-0.5B to int4 (the cached runtime's recipe) and check the
+    int4 draft agrees with the bf16 torch draft on a short chat prompt."""
+    from edge_sdk.drafters.runtime import build_onnx_export
+    from edge_sdk.models import encode_prompt, load_model
+    from exporters.speed import agreement, greedy_tokens, onnx_backend, torch_backend
+
+    threads = torch.get_num_threads()
+    try:
+        try:
+            man = build_onnx_export("qwen2.5-coder-0.5b", tmp_path / "int4", "int4",
+                                    check_steps=8)
+        except (ModuleNotFoundError, OSError) as e:
+            pytest.skip(f"qwen2.5-coder-0.5b not available offline: {e}")
+        assert man["fp32_parity"]["passed"] and man["fp32_parity"]["max_abs_logit_diff"] < 1e-3
+        model, tok = load_model("qwen2.5-coder-0.5b", dtype="bfloat16", threads=1)
+        prompt = encode_prompt(tok, "Write a Python function that adds two numbers.", True)
+        ref = greedy_tokens(torch_backend("bf16", model), prompt, 24)
+        res = agreement(onnx_backend("int4", tmp_path / "int4", 1), [prompt], [ref])
+    finally:
+        torch.set_num_threads(threads)
+    assert res["greedy_agreement"] >= 0.75, res
