@@ -535,8 +535,17 @@ class Generation:
         self._last_probe = time.monotonic()
         tokens = list(self.prompt_ids)
         try:
-            info = await self._until_reachable(
-                lambda: self._create(self.prompt_ids, self.max_new_tokens))
+            # Prefill the draft's KV cache on the draft worker while the cloud prefills
+            # the target (the first block then drafts from a warm cache).
+            warm = (asyncio.get_running_loop().run_in_executor(
+                c.scheduler.executor, self.drafter.sync, self.prompt_ids)
+                if self.drafter is not None and len(self.prompt_ids) > 1 else None)
+            try:
+                info = await self._until_reachable(
+                    lambda: self._create(self.prompt_ids, self.max_new_tokens))
+            finally:
+                if warm is not None:
+                    await warm
             self.committer = Committer(c.tokenizer, self.max_new_tokens,
                                        info.get("eos_token_ids", []), self.stop)
             while not self.committer.done:

@@ -548,7 +548,7 @@ if click is not None:
     @click.option("--draft", default=None, help="Draft model (default: the demo draft).")
     @click.option("--host", default="127.0.0.1", show_default=True)
     @click.option("--port", default=8080, show_default=True)
-    @click.option("--depth", type=click.IntRange(1, 8), default=4, show_default=True,
+    @click.option("--depth", type=click.IntRange(1, 8), default=6, show_default=True,
                   help="Draft depth gamma (tokens per block).")
     @click.option("--model-name", default="specrelay", show_default=True,
                   help="The model name reported to OpenAI clients.")
@@ -564,16 +564,21 @@ if click is not None:
 
         Point an OpenAI client at http://HOST:PORT/v1 (any api_key)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from edge_sdk.drafters.torch import TorchDrafter
-        from edge_sdk.models import load_model
+        from edge_sdk.drafters.runtime import build_drafter
         from edge_sdk.protocol.signing import Signer
 
         if draft is None:
             from edge_sdk.models import default_draft
             draft = default_draft()
-        dmodel, tok = load_model(draft, dtype="auto")   # the draft's dtype keeps exactness
+        # the draft's runtime and dtype never touch exactness
+        drafter, tok = build_drafter(draft, dtype="auto",
+                                     echo=lambda m: click.echo(m, err=True))
+        if tok is None:
+            from edge_sdk.models import DEFAULT_TARGET, load_tokenizer
+
+            tok = load_tokenizer(DEFAULT_TARGET)
         signer = Signer.from_api_key(api_key) if api_key else None
-        app = create_edge_app(url, TorchDrafter(dmodel), tok, signer=signer, depth=depth,
+        app = create_edge_app(url, drafter, tok, signer=signer, depth=depth,
                               model_name=model_name, default_max_tokens=default_max_tokens,
                               on_cloud_loss=on_cloud_loss)
         click.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 "

@@ -503,7 +503,8 @@ def test_kv_holds_confirmed_prefix_every_round(mode, sampling, depth, srv, rec, 
     r = generate(srv.url, d, tok, depth=depth, mode=mode, sampling=sampling, seed=3,
                  max_new_tokens=40)
     assert not d.failures and not rec.failures, (d.failures, rec.failures)
-    assert d.syncs == r.metrics["rounds"] - sum(g == 0 for g, *_ in rec.rounds)
+    # one sync per drafted round, plus the draft prefill run while the cloud prefills
+    assert d.syncs == r.metrics["rounds"] - sum(g == 0 for g, *_ in rec.rounds) + 1
     hist = r.metrics["accepted_hist"]
     assert any(0 < a < depth for a in hist), "no partial acceptance exercised"
     assert d.rollbacks > 0, "the draft cache never had to roll back"

@@ -136,6 +136,23 @@ def test_qwen2_sliding_window_config_exports_full_cache(tmp_path):
     assert od.cache_len() == len(prompt) + 2
 
 
+def test_speed_measure_reports_ms_and_agreement(model, exported):
+    """``exporters.speed.measure``: ms/token per backend and greedy agreement with the
+    reference (the fp32 ONNX graph agrees exactly with torch fp32)."""
+    from exporters.speed import markdown_table, measure
+
+    res = measure(model, ["torch-fp32", "onnx-fp32", "onnx-int4", "torch-int8"],
+                  onnx_dir=exported, threads=1, context=16, steps=3, warmup=1, repeats=1,
+                  agree_steps=8, reference="torch-fp32", log=lambda *_: None)
+    r = res["results"]
+    assert list(r) == ["torch-fp32", "onnx-fp32", "onnx-int4", "torch-int8"]
+    assert all(v["ms_per_token"] > 0 for v in r.values())
+    assert r["torch-fp32"]["greedy_agreement"] == 1.0
+    assert r["onnx-fp32"]["greedy_agreement"] == 1.0
+    assert r["onnx-int4"]["agreement_tokens"] == 16
+    assert "| onnx-int4 |" in markdown_table(res)
+
+
 # ----------------------------------------------------------------------------- runtimes
 
 def test_runtime_spec_suffix_and_cache_path(monkeypatch, tmp_path):

@@ -38,11 +38,12 @@ def test_default_dtype_detection_and_override(monkeypatch):
 
 @pytest.fixture(scope="module")
 def pair():
+    from edge_sdk.drafters.runtime import build_drafter
     from edge_sdk.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
     target, tok = load_model(DEFAULT_TARGET, dtype="auto", threads=2)
-    draft, _ = load_model(DEFAULT_DRAFT, dtype="auto")
-    return target, draft, tok
+    drafter, _ = build_drafter(DEFAULT_DRAFT, dtype="auto")
+    return target, drafter, tok
 
 
 def _gap_at(model, ids: list[int]) -> float:
@@ -57,7 +58,6 @@ def test_greedy_identity_on_real_prompts_through_the_signed_server(pair):
     from cloud_api.server import BackgroundServer
     from edge_sdk import EdgeClient
     from edge_sdk.bench.workloads import load_workload
-    from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import encode_prompt
     from edge_sdk.protocol.signing import Signer
 
@@ -73,7 +73,7 @@ def test_greedy_identity_on_real_prompts_through_the_signed_server(pair):
         kw = dict(chat=False, signer=Signer.from_api_key(key))
         async with EdgeClient(url, None, tok, **kw) as c:
             ref = await c.generate(prompt_ids=ids, max_new_tokens=32)
-        async with EdgeClient(url, TorchDrafter(draft), tok, depth=depth, **kw) as c:
+        async with EdgeClient(url, draft, tok, depth=depth, **kw) as c:
             out = await c.generate(prompt_ids=ids, max_new_tokens=32)
         return ref, out
 

@@ -655,11 +655,22 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
             f"({edge_threads} threads); cloud: target {_name(cfg.target)} on CPUs "
             f"{cloud_cpus} ({cloud_threads} threads)")
         t0 = time.perf_counter()
-        dmodel, tok = load_source(draft_src, cfg.dtype, edge_threads)
-        draft_load_s = time.perf_counter() - t0
-        from edge_sdk.drafters.torch import TorchDrafter
+        if isinstance(draft_src, str):
+            # a spec with an optional runtime suffix (``qwen2.5-coder-0.5b+onnx-int4``)
+            from edge_sdk.drafters.runtime import build_drafter
 
-        base_drafter = TorchDrafter(dmodel)
+            base_drafter, tok = build_drafter(draft_src, dtype=cfg.dtype,
+                                              threads=edge_threads, echo=log)
+            if tok is None:
+                from edge_sdk.models import load_tokenizer
+
+                tok = load_tokenizer(cfg.target)
+        else:
+            from edge_sdk.drafters.torch import TorchDrafter
+
+            dmodel, tok = load_source(draft_src, cfg.dtype, edge_threads)
+            base_drafter = TorchDrafter(dmodel)
+        draft_load_s = time.perf_counter() - t0
         # contention: only the "+slow" profile variants when the run has any, else all
         variants = any(A.split_contention(p.name)[1] for p in profiles)
         factor = (cfg.edge_slowdown if cfg.edge_slowdown > 1.0 else
