@@ -547,24 +547,17 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                        source=source, external=(vdir / (MODEL_NAME + ".data")).exists())
         vm["export_seconds"] = round(time.perf_counter() - t1, 2)
         variants["fp16"] = vm
-    if int4:
+    for name, on, quantize in (("int4", int4, quantize_int4), ("int8", int8, quantize_int8)):
+        if not on:
+            continue
         t1 = time.perf_counter()
-        vdir = out / "int4"
-        qinfo = quantize_int4(path, vdir / MODEL_NAME, block_size=int4_block_size)
-        vm = _manifest(model, dtype="int4", kv_dtype="float32", opset=opset, source=source,
+        vdir = out / name
+        qinfo = quantize(path, vdir / MODEL_NAME, block_size=int4_block_size)
+        vm = _manifest(model, dtype=name, kv_dtype="float32", opset=opset, source=source,
                        external=(vdir / (MODEL_NAME + ".data")).exists())
         vm["quantization"] = qinfo
         vm["export_seconds"] = round(time.perf_counter() - t1, 2)
-        variants["int4"] = vm
-    if int8:
-        t1 = time.perf_counter()
-        vdir = out / "int8"
-        qinfo = quantize_int8(path, vdir / MODEL_NAME, block_size=int4_block_size)
-        vm = _manifest(model, dtype="int8", kv_dtype="float32", opset=opset, source=source,
-                       external=(vdir / (MODEL_NAME + ".data")).exists())
-        vm["quantization"] = qinfo
-        vm["export_seconds"] = round(time.perf_counter() - t1, 2)
-        variants["int8"] = vm
+        variants[name] = vm
     for name, vm in variants.items():
         vdir = out / name
         write_manifest(vdir, vm)  # the runner reads it

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from edge_sdk.kvmodel import common_prefix
+
 from edge_sdk.bench import report
 from edge_sdk.bench.linkem import Profile
 from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RunSetup, get_mode,
@@ -186,13 +188,6 @@ def test_transformers_peers_in_a_bench_run(tmp_path):
 # --------------------------------------------------------------------------- real models
 
 
-def _common_prefix(a, b) -> int:
-    k = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        k += 1
-    return k
 
 
 @pytest.mark.real_model
@@ -246,12 +241,12 @@ def test_llamacpp_greedy_matches_transformers_target():
                              repetition_penalty=1.0)[0, len(ids):].tolist()
     del model
     ar, spec = recs["llamacpp-ar"], recs["llamacpp-spec"]
-    agree_ar, agree_spec = _common_prefix(ar.token_ids, ref), _common_prefix(spec.token_ids, ref)
+    agree_ar, agree_spec = common_prefix(ar.token_ids, ref), common_prefix(spec.token_ids, ref)
     print(f"\nllama.cpp vs transformers greedy agreement: ar {agree_ar}/{n}, "
           f"spec {agree_spec}/{n}; spec==ar: {spec.token_ids == ar.token_ids}")
     assert len(ar.token_ids) == n and len(spec.token_ids) == n
     assert agree_ar >= 4 and agree_spec >= 4
-    assert _common_prefix(spec.token_ids, ar.token_ids) >= 4
+    assert common_prefix(spec.token_ids, ar.token_ids) >= 4
     t = spec.metrics["engine_timings"]
     assert t["draft_n"] > 0 and 0 <= t["draft_n_accepted"] <= t["draft_n"]
     assert t["prompt_n"] == len(ids) and t["prompt_per_second"] > 0

@@ -60,7 +60,7 @@ def _cpus(value: str | None) -> list[int] | None:
               help=f"Tokens generated per request [default: {_DEFAULTS['max_new_tokens']}].")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Prompt selection and per-request sampling seeds.")
-@click.option("--depth", type=click.IntRange(1, 8), default=4, show_default=True,
+@click.option("--depth", type=click.IntRange(1, 8), default=6, show_default=True,
               help="Draft depth gamma for fixed-depth modes (tokens per block).")
 @click.option("--concurrent-depth", type=click.IntRange(1, 8), default=None,
               help="Draft depth of the concurrent modes (default: --depth). The pipeline's "

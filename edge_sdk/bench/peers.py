@@ -62,6 +62,7 @@ import numpy as np
 
 from edge_sdk.bench.modes import (BenchMode, BenchRequest, RequestRecord, RunSetup,
                                   register_mode)
+from edge_sdk.kvmodel import common_prefix
 
 __all__ = ["PeerUnavailable", "require_xllamacpp", "INSTALL_HINT", "LlamaCppARMode",
            "LlamaCppSpecMode", "HFARMode", "HFAssistedMode", "greedy_agreement",
@@ -160,6 +161,16 @@ def _src_name(src) -> str:
     return src if isinstance(src, str) else getattr(src, "__qualname__", repr(src))
 
 
+def _model_only(src):
+    """The model of a draft spec without our runtime suffix (``name+onnx-int4`` ->
+    ``name``): a peer runs the same model on its own engine."""
+    if isinstance(src, str):
+        from edge_sdk.drafters.runtime import split_runtime
+
+        return split_runtime(src)[0]
+    return src
+
+
 def _gguf(src, role: str) -> Path:
     """The GGUF file of a model source. Raises ValueError (one line) when there is none."""
     from edge_sdk.models import resolve
@@ -167,6 +178,7 @@ def _gguf(src, role: str) -> Path:
     what = f"llama.cpp needs a GGUF {role} (preset, .gguf path or dir::file.gguf)"
     if not isinstance(src, str):
         raise ValueError(f"{what}; got {_src_name(src)}")
+    src = _model_only(src)
     spec = resolve(src)
     if not spec.gguf_file:
         raise ValueError(f"{what}; {src!r} is not a GGUF checkpoint")
@@ -466,7 +478,7 @@ class _HFMode(_PeerMode):
                                      time.perf_counter() - t0)
         if self.uses_draft and "hf-draft" not in _engines:
             t0 = time.perf_counter()
-            _engines["hf-draft"] = (*_hf_load(run.draft, run.dtype),
+            _engines["hf-draft"] = (*_hf_load(_model_only(run.draft), run.dtype),
                                     time.perf_counter() - t0)
 
     def _generate(self, req: BenchRequest):
@@ -580,15 +592,6 @@ def gain_pairs() -> dict[str, str]:
             if getattr(c, "peer", False) and getattr(c, "gain_baseline", None)}
 
 
-def _prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    k = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        k += 1
-    return k
-
-
 def greedy_agreement(records: Sequence[dict], greedy_labels: set[str],
                      peer_names: set[str]) -> dict:
     """Per peer mode, how its greedy tokens compare with the target's: the first
@@ -618,7 +621,7 @@ def greedy_agreement(records: Sequence[dict], greedy_labels: set[str],
             a["reference"] = ref_mode
             a["prompts"] += 1
             a["identical"] += int(list(ids) == list(ref_ids))
-            a["prefix"].append(_prefix(ids, ref_ids))
+            a["prefix"].append(common_prefix(ids, ref_ids))
             a["tokens"].append(len(ids))
         ar = own.get((pairs.get(mode),) + key)
         if ar is not None:
