@@ -124,15 +124,12 @@ def divergence_report(ref, res) -> dict:
     target (top-2 logit gap below ``sampling.NEAR_TIE_GAP`` of its dtype) in one run.
     Returns ``near_tie_divergences`` (0/1), ``hard_divergences`` (0/1, a bug) and
     ``first_divergence`` (token index or None)."""
-    a, b = ref.token_ids, res.token_ids
-    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    if i is None and len(a) != len(b):
-        i = min(len(a), len(b))
-    ties = set(ref.metrics.get("near_tie_positions", [])) | set(
-        res.metrics.get("near_tie_positions", []))
-    near = i is not None and i in ties
-    return {"first_divergence": i, "near_tie_divergences": int(near),
-            "hard_divergences": int(i is not None and not near)}
+    from edge_sdk.metrics import classify_divergence
+
+    i, kind = classify_divergence(ref.token_ids, ref.metrics.get("near_tie_positions", []),
+                                  res.token_ids, res.metrics.get("near_tie_positions", []))
+    return {"first_divergence": i, "near_tie_divergences": int(kind == "near_tie"),
+            "hard_divergences": int(kind == "hard")}
 
 
 def _print_result(res, as_json: bool, title: str, note: str | None = None,

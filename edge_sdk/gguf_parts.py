@@ -96,12 +96,11 @@ def part_files(parted: PartedGGUF) -> list[Path]:
     return files
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECRELAY_CACHE", Path.home() / ".cache" / "specrelay"))
-
-
 def assembled_path(parted: PartedGGUF) -> Path:
-    return cache_root() / "gguf-parts" / parted.file_name
+    """Where the assembled file lives: ``edge_sdk.models.cache_dir()/gguf-parts``."""
+    from edge_sdk.models import cache_dir
+
+    return cache_dir() / "gguf-parts" / parted.file_name
 
 
 def _verified(path: Path, parted: PartedGGUF) -> bool:

@@ -4,6 +4,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from edge_sdk.kvmodel import common_prefix
+
+
+def first_divergence(ref: Sequence[int], out: Sequence[int]) -> int | None:
+    """Index of the first token where ``out`` differs from ``ref`` (a length difference
+    counts at the end of the shorter one); None when they are equal."""
+    n = common_prefix(ref, out)
+    return None if n == len(ref) == len(out) else n
+
+
+def classify_divergence(ref: Sequence[int], ref_ties: Iterable[int], out: Sequence[int],
+                        out_ties: Iterable[int]) -> tuple[int | None, str]:
+    """Greedy identity policy: ``(index, kind)`` with kind ``"identical"``, ``"near_tie"``
+    (the first differing index is a near-tie of either run: ``near_tie_positions``, top-2
+    logit gap below ``sampling.NEAR_TIE_GAP`` of the target dtype — allowed) or
+    ``"hard"`` (a bug)."""
+    i = first_divergence(ref, out)
+    if i is None:
+        return None, "identical"
+    return i, "near_tie" if i in set(ref_ties) | set(out_ties) else "hard"
 
 
 @dataclass
@@ -57,6 +79,8 @@ class RequestMetrics:
         end = self.t_end or time.perf_counter()
         wall = end - self.t_start
         first = self.t_first or end
+        # a round may commit past a stop string / the length cap: keep the handed-out ones
+        ties = [p for p in self.near_tie_positions if p < self.committed_tokens]
         return {
             "acceptance_rate": self.accepted_tokens / self.drafted_tokens
             if self.drafted_tokens else 0.0,
@@ -74,8 +98,8 @@ class RequestMetrics:
             if self.proactive_rounds else 0.0,
             "correction_mode_counts": dict(self.correction_mode_counts),
             "tv_budget_spent": self.tv_budget_spent,
-            "near_tie_tokens": len(self.near_tie_positions),
-            "near_tie_positions": list(self.near_tie_positions),
+            "near_tie_tokens": len(ties),
+            "near_tie_positions": ties,
             # raw counts, for aggregation
             "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
             "committed_tokens": self.committed_tokens, "bonus_tokens": self.bonus_tokens,

@@ -34,3 +34,22 @@ def test_metrics_count_what_the_client_saw(server, tok, draft):
     assert _value(text, "specrelay_requests_total",
                   'endpoint="POST /v1/sessions/{sid}/verify",status="200"') == m["rounds"]
     assert _value(text, "specrelay_body_bytes_total", 'direction="in"') >= m["uplink_bytes"]
+
+
+def test_classify_divergence_follows_the_near_tie_policy():
+    from edge_sdk.metrics import classify_divergence, first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 2]) == 2           # shorter: at its end
+    assert classify_divergence([1, 2, 3], [], [1, 2, 3], []) == (None, "identical")
+    assert classify_divergence([1, 2, 3], [2], [1, 2, 4], []) == (2, "near_tie")
+    assert classify_divergence([1, 2, 3], [], [1, 2, 4], [2]) == (2, "near_tie")
+    assert classify_divergence([1, 2, 3], [0, 1], [1, 2, 4], [0]) == (2, "hard")
+
+
+def test_near_tie_positions_past_the_committed_tokens_are_dropped():
+    from edge_sdk.metrics import RequestMetrics
+
+    m = RequestMetrics(committed_tokens=5, near_tie_positions=[1, 4, 5, 7])
+    d = m.to_dict()
+    assert d["near_tie_positions"] == [1, 4] and d["near_tie_tokens"] == 2

@@ -55,6 +55,7 @@ from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RequestRecord, RunS
                                   get_mode)
 from edge_sdk.bench.workloads import Prompt, load_workload
 from edge_sdk.drafters.base import Drafter
+from edge_sdk.metrics import classify_divergence
 
 __all__ = [
     "BenchConfig", "run_bench", "CloudServerProcess", "SlowdownDrafter", "EdgeLoad",
@@ -768,6 +769,8 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         torch.set_num_threads(old_threads)
 
     peer_names = {m.name for m in mode_classes if getattr(m, "peer", False)}
+    divergences = greedy_divergences(
+        records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets})
     ratios = (report.compute_ratios(runs, ratio_specs([m.name for m in mode_classes]))
               + A.adaptive_ratios(runs) + P.pipeline_ratios(runs))
     config = {
@@ -793,10 +796,9 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         "server_max_batch_default": info.get("max_batch"),
         "strongest_baseline": P.strongest_baselines(runs),
         "target_load_s": round(info["load_s"], 3), "draft_load_s": round(draft_load_s, 3),
-        "greedy_outputs_identical": _greedy_identity(
-            records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets}),
-        "greedy_divergences": greedy_divergences(
-            records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets}),
+        "greedy_outputs_identical": (None if not divergences["compared"] else
+                                     divergences["identical"] == divergences["compared"]),
+        "greedy_divergences": divergences,
         "bench_wall_s": round(time.perf_counter() - t_begin, 1),
         "loadavg_1m_end": round(os.getloadavg()[0], 2),
         "host": f"{platform.node()} ({os.cpu_count()} CPUs, python "
@@ -874,13 +876,13 @@ def _extra_summary(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: Modes that run another engine (other kernels, other numerics): outside the identity check
-#: (the peer engines of :mod:`edge_sdk.bench.peers`; see ``config.peer_greedy_agreement``).
-OTHER_ENGINE_PREFIXES = ("llamacpp", "hf-")
-
-
 def _same_engine(r: dict) -> bool:
-    return not r["mode"].startswith(OTHER_ENGINE_PREFIXES)
+    """False for a peer engine's record (``BenchMode.peer``: other kernels, other
+    numerics; outside the identity check, see ``config.peer_greedy_agreement``)."""
+    try:
+        return not getattr(get_mode(r["mode"]), "peer", False)
+    except ValueError:          # a record of a mode this process does not know
+        return True
 
 
 def greedy_divergences(records: list[dict], greedy_labels: set[str]) -> dict:
@@ -903,39 +905,23 @@ def greedy_divergences(records: list[dict], greedy_labels: set[str]) -> dict:
            "examples": []}
     for key, rs in groups.items():
         ref = next((r for r in rs if r["mode"] == "cloud-ar"), rs[0])
-        ref_ties = set(ref["metrics"].get("near_tie_positions") or [])
         for r in rs:
             if r is ref:
                 continue
             out["compared"] += 1
-            a, b = ref["token_ids"], r["token_ids"]
-            i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            if i is None and len(a) == len(b):
+            i, kind = classify_divergence(
+                ref["token_ids"], ref["metrics"].get("near_tie_positions") or [],
+                r["token_ids"], r["metrics"].get("near_tie_positions") or [])
+            if kind == "identical":
                 out["identical"] += 1
                 continue
-            i = min(len(a), len(b)) if i is None else i
-            ties = ref_ties | set(r["metrics"].get("near_tie_positions") or [])
-            kind = "near_tie_divergences" if i in ties else "hard_divergences"
+            kind = f"{kind}_divergences"
             out[kind] += 1
             if len(out["examples"]) < 10:
                 out["examples"].append({"mode": r["mode"], "profile": key[0],
                                         "workload": key[1], "prompt_id": key[2], "index": i,
                                         "kind": kind})
     return out
-
-
-def _greedy_identity(records: list[dict], greedy_labels: set[str]):
-    """For greedy cells: do all modes produce the same tokens per (profile, workload,
-    prompt)? True/False, or None when no cell ran two modes."""
-    groups: dict[tuple, list] = {}
-    for r in records:
-        if r["workload"] in greedy_labels and _same_engine(r):
-            groups.setdefault((r["profile"], r["workload"], r["prompt_id"]), []).append(
-                r["output_sha"])
-    comparable = [v for v in groups.values() if len(v) >= 2]
-    if not comparable:
-        return None
-    return all(len(set(v)) == 1 for v in comparable)
 
 
 def _label(workload: str, sampling: str, all_sampling: Sequence[str]) -> str:

@@ -216,9 +216,10 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 #: Top-2 logit gap below which a greedy choice is a *near-tie*, per target dtype: two
 #: passes of different shapes (a 1-token decode, a 9-token verify block, a batch) may
-#: then pick different argmaxes. float32: 1e-4. bfloat16: 0.25 — logits of magnitude
-#: 16-32 are spaced 0.125 apart in bf16, and a probe on Qwen2.5-Coder-1.5B measured
-#: max |delta logit| 0.25 between a 1-token and a 9-token pass of the same prefix.
+#: then pick different argmaxes. float32: 1e-4. bfloat16: 0.25 = two ulps for logits of
+#: magnitude 16-32 (spaced 0.125 apart); a 1-token and a k-token pass of the same prefix
+#: differ by up to 0.16 on Qwen2.5-Coder-1.5B (``python -m edge_sdk.bench.shape_invariance``).
+#: float16: 0.03, two ulps at 16-32 (spaced 1/64), by the same rule, not measured.
 NEAR_TIE_GAP = {"float32": 1e-4, "float16": 0.03, "bfloat16": 0.25}
 
 
