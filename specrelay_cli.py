@@ -65,8 +65,13 @@ def sampling_options(f):
                      default="fixed", show_default=True,
                      help="Draft-depth policy (SPEC §4, §6); fixed uses --depth."),
         click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
-                     default="off", show_default=True, help="Draft the next block while "
-                     "one is verified (SPEC §5): ipdg interruptible, npdg not."),
+                     default="ipdg", show_default=True, help="Draft the next block while "
+                     "one is verified (SPEC §5): ipdg interruptible, npdg not, off: "
+                     "stop-and-wait."),
+        click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
+                     help="Pipelined verification: send a proactive block before the "
+                     "previous verdict (the cloud verifies it only if its assumed prefix "
+                     "is confirmed). Needs --proactive ipdg|npdg."),
         click.option("--proactive-roots", type=click.IntRange(1, 8), default=1,
                      show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
         click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
@@ -112,7 +117,9 @@ async def _generate(url, drafter, tok, prompt, kw, signer, ca_cert=None):
                           controller=(None if kw.get("controller", "fixed") == "fixed"
                                       else kw["controller"]),
                           proactive=kw.get("proactive", "off"),
-                          proactive_roots=kw.get("proactive_roots", 1)) as c:
+                          proactive_roots=kw.get("proactive_roots", 1),
+                          send_ahead=(kw.get("send_ahead", False)
+                                      and kw.get("proactive", "off") != "off")) as c:
         return await c.generate(prompt, sampling=_sampling(kw), seed=kw["seed"],
                                 max_new_tokens=kw["max_new_tokens"], stop=kw["stop"],
                                 target_only=kw["target_only"])
@@ -291,7 +298,7 @@ def demo(prompt, target, draft, compare, dtype, **kw):
     policy = (f"depth {kw['depth']}" if kw["controller"] == "fixed"
               else f"{kw['controller']} depth")
     if kw["proactive"] != "off":
-        policy += f" + {kw['proactive']}"
+        policy += f" + {kw['proactive']}" + (" + send-ahead" if kw["send_ahead"] else "")
     _print_result(res, kw["as_json"], f"speculative ({draft} -> {target}, {policy}, "
                   f"signed HTTP on {srv.url})", note, extra)
 

@@ -136,12 +136,14 @@ class CloudService:
             digest = hashlib.sha256(body).digest()
             req = wire.VerifyRequest.decode(body, self.verifier.vocab_size,
                                             self.verifier.max_block)
-            if s.last is not None and req.block_seq == s.last[0]:
-                if s.last[1] == digest:   # a retry: same decisions, same draws
-                    return s.last[2]
+            seen = s.replay.get(req.block_seq)
+            if seen is not None:
+                if seen[0] == digest:     # a retry: same decisions, same draws
+                    return seen[1]
                 raise ApiError(409, "block_seq_reused",
                                "block_seq already answered with different content",
                                "block_seq", state=s.state())
+            self.verifier.check(s, req)   # stale blocks are refused before any charge
             if charge is not None:
                 charge(len(req.tokens) + 1)
             resp = await self.queue.submit(s, req)
@@ -149,7 +151,7 @@ class CloudService:
             out = resp.encode()
             if self.metrics is not None:
                 self.metrics.observe_verify(resp, len(req.tokens))
-            s.last = (req.block_seq, digest, out)
+            s.remember(req.block_seq, digest, out, req.pending_commit is not None)
             return out
 
     async def correction(self, sid: str, body: bytes, owner: str | None) -> bytes:

@@ -52,7 +52,7 @@ class Session:
     prompt_len: int
     next_seq: int = 0
     awaiting: bool = False
-    last: tuple | None = None          # (block_seq, body digest, response bytes)
+    replay: dict = field(default_factory=dict)   # block_seq -> (body digest, response)
     pending_p: tuple | None = None     # (block_seq, p row float64 [V]) for corrections
     created: float = field(default_factory=time.monotonic)
     touched: float = field(default_factory=time.monotonic)
@@ -67,6 +67,19 @@ class Session:
                 "prompt_len": self.prompt_len, "config_id": self.cfg.config_id,
                 "generated": len(self.tokens) - self.prompt_len,
                 "sampling": self.cfg.to_dict(), "mode": self.mode}
+
+    REPLAY_BLOCKS = 2   # answers kept for retries: the last block and one sent ahead
+
+    def remember(self, block_seq: int, digest: bytes, out: bytes,
+                 saw_previous: bool = False) -> None:
+        """Keep the answer to ``block_seq`` for retries: the last ``REPLAY_BLOCKS``
+        answers, only the last when the block shows the edge read the one before it
+        (``saw_previous``: it carried that block's correction token)."""
+        if saw_previous:
+            self.replay.clear()
+        self.replay[block_seq] = (digest, out)
+        while len(self.replay) > self.REPLAY_BLOCKS:
+            self.replay.pop(min(self.replay))
 
     def generator(self, block_seq: int) -> torch.Generator:
         """Per-block RNG: replays of a block (same seed, same seq) draw identically."""

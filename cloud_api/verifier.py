@@ -93,6 +93,10 @@ class Verifier:
             raise ApiError(409, "stale_block", "block does not extend the confirmed prefix",
                            "block_seq" if req.block_seq != s.next_seq else "base_len",
                            state=s.state())
+        if req.expect_last is not None and (s.awaiting or s.tokens[-1] != req.expect_last):
+            raise ApiError(409, "stale_block", "block was sent ahead on an outcome of the "
+                           "previous block that did not happen", "expect_last",
+                           state=s.state())
         if s.awaiting != (req.pending_commit is not None):
             raise ApiError(422, "bad_field", "pending_commit required" if s.awaiting
                            else "no correction is pending", "pending_commit")

@@ -72,6 +72,18 @@ class GenerationResult:
                 "metrics": self.metrics}
 
 
+@dataclass
+class _Ahead:
+    """A proactive block sent before its predecessor's verdict (``send_ahead``)."""
+
+    future: asyncio.Future       # -> (VerifyResponse, perf_counter) | None
+    block: DraftBlock
+    plan: int
+    body: bytes                  # the exact request bytes (a resend replays them)
+    t_sent: float
+    root: int                    # the assumed bonus of the predecessor
+
+
 class EdgeClient:
     """Speculative decoding against a specrelay verification API.
 
@@ -103,6 +115,16 @@ class EdgeClient:
             confirmed-prefix grants (they draft a descendant of an unresolved block).
         proactive_roots: b, the number of guessed bonus tokens (b > 1: a tree of b
             branches, each on its own drafter fork).
+        send_ahead: pipelined verification (needs ``proactive``; chains only, b = 1):
+            a proactive block completed while the previous block is still in flight is
+            sent at once, marked with its assumed bonus (``expect_last``), so the cloud
+            verifies it right after the previous block instead of one network round
+            trip and a draft later. The cloud verifies it only if the previous block was
+            fully accepted with that bonus (exactly the client's proactive hit); else
+            it answers 409 ``stale_block``, changes nothing, and the edge drafts from
+            the true prefix. At most two blocks of a request are in flight. The
+            acceptance rule and the draws are unchanged (PipeSpec-style asynchronous
+            pipelining of draft and verify stages; output identical to stop-and-wait).
         on_cloud_loss: what to do when the cloud cannot be reached (connection refused,
             timeouts) after the transport's retries. ``wait`` (default): keep retrying
             with backoff for up to ``offline_timeout_s`` seconds, then raise
@@ -119,7 +141,8 @@ class EdgeClient:
                  transport: Transport | None = None, scheduler: DraftScheduler | None = None,
                  controller: str | DepthController | None = None,
                  controller_kw: dict | None = None, proactive: str = "off",
-                 proactive_roots: int = 1, on_cloud_loss: str = "wait",
+                 proactive_roots: int = 1, send_ahead: bool = False,
+                 on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0):
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
@@ -129,6 +152,8 @@ class EdgeClient:
             raise ValueError(f"proactive must be one of {PROACTIVE_MODES}")
         if not 1 <= int(proactive_roots) <= 8:
             raise ValueError("proactive_roots must be in 1..8")
+        if send_ahead and proactive == "off":
+            raise ValueError("send_ahead needs proactive='ipdg' or 'npdg'")
         if on_cloud_loss not in CLOUD_LOSS_POLICIES:
             raise ValueError(f"on_cloud_loss must be one of {CLOUD_LOSS_POLICIES}")
         self.on_cloud_loss, self.offline_timeout_s = on_cloud_loss, offline_timeout_s
@@ -137,6 +162,7 @@ class EdgeClient:
             make_controller(controller, **(controller_kw or {}))    # validate early
         self.controller, self.controller_kw = controller, dict(controller_kw or {})
         self.proactive, self.proactive_roots = proactive, int(proactive_roots)
+        self.send_ahead = bool(send_ahead)
         self.drafter, self.tokenizer = drafter, tokenizer
         self.depth, self.mode, self.eps_req, self.correction = depth, mode, eps_req, correction
         self.support_k, self.n_proposals, self.chat = support_k, n_proposals, chat
@@ -220,6 +246,7 @@ class Generation:
         self.round_idx = 0                      # verification rounds so far (draft RNG)
         self.max_block = 8
         self._next: tuple | None = None         # kept proactive branch: (Branch, plan)
+        self._ahead: _Ahead | None = None       # the kept branch's block, sent ahead
         self._forks: list[Drafter] = []         # extra drafters for proactive tree roots
         self._t_verdict: float | None = None    # perf_counter of the last verdict
         self.path: str | None = None
@@ -303,7 +330,15 @@ class Generation:
                                              draft_generator(self.seed, self.round_idx))
         return block if len(block) else None
 
-    def _request(self, tokens: list[int], block: DraftBlock | None) -> wire.VerifyRequest:
+    def _request(self, tokens: list[int], block: DraftBlock | None, seq: int | None = None,
+                 pending: int | None = None) -> wire.VerifyRequest:
+        """The verify request of ``block`` on the confirmed prefix ``tokens`` (the
+        request's own ``seq``/``pending`` unless given). ``expect_last`` is the last
+        confirmed token whenever no correction is pending, so a block sent ahead and the
+        same block sent after its predecessor's verdict are the same bytes (a resend is
+        answered from the cloud's replay cache)."""
+        seq = self.seq if seq is None else seq
+        pending = self.pending if seq == self.seq else pending
         toks = np.array(block.tokens if block else [], dtype=np.int64)
         q_tok = q_full = None
         if block is not None and self.c.mode == "standard":
@@ -311,8 +346,9 @@ class Generation:
                 torch.tensor(block.tokens), self.vocab).double()).numpy()
         elif block is not None and not self.cfg.greedy:
             q_tok = block.q_tok.numpy()
-        return wire.VerifyRequest(self.sid, self.seq, len(tokens), self.cfg.config_id,
-                                  self.pending, toks, q_tok, q_full)
+        return wire.VerifyRequest(self.sid, seq, len(tokens), self.cfg.config_id,
+                                  pending, toks, q_tok, q_full,
+                                  int(tokens[-1]) if pending is None else None)
 
     async def _send(self, tokens, block) -> wire.VerifyResponse:
         body = self._request(tokens, block).encode(self.vocab)
@@ -334,6 +370,13 @@ class Generation:
     async def _round(self, tokens: list[int]) -> list[int]:
         """One verification round (one open block); returns the newly confirmed tokens."""
         kept, self._next = self._next, None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:           # proactive hit whose block is already sent
+            try:
+                return await self._verify_and_commit(tokens, ahead.block, ahead.plan,
+                                                     True, ahead)
+            finally:
+                self.c.scheduler.close(self)
         if kept is not None:            # proactive hit: continue the kept branch
             branch, planned = kept
             planned = min(planned, max(0, self.committer.remaining - 1), self.max_block)
@@ -354,6 +397,56 @@ class Generation:
     async def _timed_send(self, tokens, block):
         resp = await self._send(tokens, block)
         return resp, time.perf_counter()
+
+    def _send_ahead(self, tokens, block, pro: ProactiveResult | None,
+                    verdict: asyncio.Future) -> "_Ahead | None":
+        """Send the proactive chain's block now, if it is complete and the verdict it
+        depends on is still pending (``send_ahead``). None when not sent."""
+        if (not self.c.send_ahead or pro is None or len(pro.branches) != 1
+                or verdict.done()):
+            return None
+        br = pro.branches[0]
+        eos = self.committer.eos
+        if (br.dead or len(br.tokens) != pro.plan or pro.plan <= 0
+                or eos.intersection((block.tokens if block else []) + [br.root])):
+            return None               # incomplete, or the request may end before it
+        assumed = br.prefix           # tokens + block + guessed bonus
+        blk = br.finish(pro.plan, self.cfg)
+        body = self._request(assumed, blk, seq=self.seq + 1, pending=None).encode(self.vocab)
+        ahead = _Ahead(asyncio.ensure_future(self._post_ahead(body, self.seq + 1)),
+                       blk, pro.plan, body, time.perf_counter(), br.root)
+        self.m.ahead_blocks += 1
+        return ahead
+
+    async def _post_ahead(self, body: bytes, seq: int):
+        """POST a block sent ahead. Returns ``(VerifyResponse, perf_counter)``, or None
+        when the cloud refused it (409 ``stale_block`` on a miss) or it failed."""
+        try:
+            data = await self._call("POST", self.path + "/verify", body)
+            resp = wire.VerifyResponse.decode(data)
+        except (RemoteError, wire.WireError, *UNREACHABLE):
+            return None
+        return (resp, time.perf_counter()) if resp.block_seq == seq else None
+
+    async def _await_ahead(self, tokens, ahead: "_Ahead"):
+        """The verdict of a block sent ahead (a hit: the cloud verified it, or will
+        when the same bytes are resent after a failure)."""
+        got = await ahead.future
+        if got is not None:
+            self.m.ahead_hits += 1
+            return got
+        data = await self._call("POST", self.path + "/verify", ahead.body)
+        resp = wire.VerifyResponse.decode(data)
+        if resp.block_seq != self.seq:
+            raise RuntimeError(f"response answers block {resp.block_seq}, sent {self.seq}")
+        return resp, time.perf_counter()
+
+    def _drop_ahead(self, ahead: "_Ahead | None") -> None:
+        """A block sent ahead on an outcome that did not happen: the cloud refuses it
+        (409, nothing changes); its answer is read in the background and ignored."""
+        if ahead is not None:
+            self.m.ahead_dropped += 1
+            ahead.future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _speculate(self, tokens, block, verdict) -> ProactiveResult | None:
         """IPDG/NPDG: draft the next block from the assumed prefix while ``verdict`` is
@@ -378,18 +471,23 @@ class Generation:
             return None
 
     async def _verify_and_commit(self, tokens: list[int], block: DraftBlock | None,
-                                 planned: int = 0, from_branch: bool = False):
+                                 planned: int = 0, from_branch: bool = False,
+                                 ahead: "_Ahead | None" = None):
         m = self.m
         g = len(block) if block else 0
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if ahead is None else ahead.t_sent
         t_prev = self._t_verdict or m.t_start
-        send = asyncio.ensure_future(self._timed_send(tokens, block))
+        send = asyncio.ensure_future(self._timed_send(tokens, block) if ahead is None
+                                     else self._await_ahead(tokens, ahead))
+        nxt_ahead = None
         try:
             pro = await self._speculate(tokens, block, send)
+            nxt_ahead = self._send_ahead(tokens, block, pro, send)
+            resp, t_resp = await send
         except BaseException:
             send.cancel()
+            self._drop_ahead(nxt_ahead)
             raise
-        resp, t_resp = await send
         m.net_seconds += t_resp - t0 - resp.target_s
         a = resp.accepted
         new = list(block.tokens[:a]) if block else []
@@ -421,8 +519,13 @@ class Generation:
         m.draft_seconds += block.draft_s if block else 0.0
         if resp.base_len != len(tokens) + len(new):  # pending correction included
             raise RuntimeError("edge and cloud disagree on the confirmed length")
-        wasted = g - a + self._settle(pro, a == g and resp.next_token is not None,
-                                      resp.next_token)
+        hit = a == g and resp.next_token is not None
+        wasted = g - a + self._settle(pro, hit, resp.next_token)
+        if (nxt_ahead is not None and self._next is not None and hit
+                and resp.next_token == nxt_ahead.root):
+            self._ahead = nxt_ahead          # the cloud is verifying it already
+        else:
+            self._drop_ahead(nxt_ahead)
         t_end = time.perf_counter()
         self._t_verdict = t_end
         rec = RoundRecord(depth=g, accepted=a, committed=len(new),
@@ -487,6 +590,8 @@ class Generation:
                 # the round did not complete here: restore the header state (a resent
                 # block is answered from the cloud's cache; a lost session is re-created)
                 self.seq, self.pending, self._next = seq, pending, None
+                self._drop_ahead(self._ahead)
+                self._ahead = None
                 if c.on_cloud_loss == "draft_only":
                     return None
                 if time.monotonic() + delay > deadline:
@@ -569,6 +674,8 @@ class Generation:
                     yield TokenEvent(t, text, ok)
                 m.wasted_draft_tokens = (m.drafted_tokens - m.accepted_tokens
                                          + m.proactive_wasted_tokens)
+            self._drop_ahead(self._ahead)     # the request ended before it was needed
+            self._ahead = None
             if self._next is not None:        # a kept branch outlived the request
                 m.proactive_wasted_tokens += len(self._next[0].tokens)
                 m.wasted_draft_tokens += len(self._next[0].tokens)

@@ -62,6 +62,10 @@ class RequestMetrics:
     proactive_drafted_tokens: int = 0   # tokens drafted proactively (all branches)
     proactive_wasted_tokens: int = 0    # ... discarded (misses, pruned tree branches)
     proactive_late_steps: int = 0   # expansion steps started after the verdict (NPDG)
+    # pipelined verification (send_ahead): proactive blocks sent before the verdict
+    ahead_blocks: int = 0           # blocks sent ahead
+    ahead_hits: int = 0             # ... verified by the cloud and used
+    ahead_dropped: int = 0          # ... refused as stale (a miss) or left unused
     depth_hist: list = field(default_factory=list)      # controller's planned depth per round
     near_tie_positions: list = field(default_factory=list)  # generated-token indices whose
     # greedy target choice was a near-tie (top-2 gap < sampling.NEAR_TIE_GAP[dtype])
@@ -115,5 +119,7 @@ class RequestMetrics:
             "proactive_drafted_tokens": self.proactive_drafted_tokens,
             "proactive_wasted_tokens": self.proactive_wasted_tokens,
             "proactive_late_steps": self.proactive_late_steps,
+            "ahead_blocks": self.ahead_blocks, "ahead_hits": self.ahead_hits,
+            "ahead_dropped": self.ahead_dropped,
             "depth_hist": list(self.depth_hist), "round_trace": list(self.round_trace),
         }

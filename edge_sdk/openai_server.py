@@ -558,8 +558,14 @@ if click is not None:
                   default="wait", show_default=True,
                   help="wait: retry until the cloud is back (never unverified tokens); "
                        "draft_only: continue with the draft, tokens flagged verified=false.")
+    @click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
+                  default="ipdg", show_default=True,
+                  help="Draft the next block while one is verified (off: stop-and-wait).")
+    @click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
+                  help="Send a proactive block before the previous verdict (pipelined "
+                       "verification; needs --proactive ipdg|npdg).")
     def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_tokens,
-                   on_cloud_loss):
+                   on_cloud_loss, proactive, send_ahead):
         """Serve an OpenAI-compatible API on the edge (draft here, verify in the cloud).
 
         Point an OpenAI client at http://HOST:PORT/v1 (any api_key)."""
@@ -580,7 +586,8 @@ if click is not None:
         signer = Signer.from_api_key(api_key) if api_key else None
         app = create_edge_app(url, drafter, tok, signer=signer, depth=depth,
                               model_name=model_name, default_max_tokens=default_max_tokens,
-                              on_cloud_loss=on_cloud_loss)
+                              on_cloud_loss=on_cloud_loss, proactive=proactive,
+                              send_ahead=send_ahead and proactive != "off")
         click.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 "
                    f"(draft {draft}, cloud {url})", err=True)
         web.run_app(app, host=host, port=port, print=None)

@@ -72,6 +72,7 @@ class Ctx:
     base: int
     pending: int | None = None
     zero_p: int | None = None     # a token with zero target probability (top-k session)
+    last: int | None = None       # the last confirmed token (greedy session)
 
 
 KINDS = {
@@ -90,9 +91,11 @@ def setup(http: HTTP, kind: str) -> Ctx:
     sid, cfg = int(info["session_id"]), CFG[kind]
     ctx = Ctx(kind, sid, cfg, 0, info["base_len"])
     if kind == "greedy":          # one block answered: mid-generation
-        st, _ = http("POST", f"/v1/sessions/{sid}/verify",
-                     wire.pack([1, sid, 0, 3, cfg.config_id, None, tb([59, 9]), None, None]))
+        st, data = http("POST", f"/v1/sessions/{sid}/verify",
+                        wire.pack([1, sid, 0, 3, cfg.config_id, None, tb([59, 9]), None,
+                                   None]))
         assert st == 200
+        ctx.last = wire.VerifyResponse.decode(data).next_token
     elif kind == "sampled":       # a rejected block: the session awaits its correction
         st, data = http("POST", f"/v1/sessions/{sid}/verify",
                         wire.pack([1, sid, 0, 3, cfg.config_id, None,
@@ -219,7 +222,11 @@ CASES = [
     Case("greedy", "map-not-array", RAW(wire.pack({"session_id": 1})), 400, "body"),
     Case("greedy", "json-body", RAW(b'[1, 2, 3]'), 400, "body"),
     Case("greedy", "8-elements", ARR(lambda m: m[:8]), 400, "body"),
-    Case("greedy", "10-elements", ARR(lambda m: m + [None]), 400, "body"),
+    Case("greedy", "11-elements", ARR(lambda m: m + [None, None]), 400, "body"),
+    Case("greedy", "expect-last-str", ARR(lambda m: m + ["7"]), 400, "expect_last"),
+    Case("greedy", "expect-last-oov", ARR(lambda m: m + [1 << 40]), 400, "expect_last"),
+    Case("greedy", "expect-last-wrong",
+         lambda ctx: ARR(lambda m: m + [(ctx.last + 1) % V])(ctx), 409, "expect_last"),
     Case("greedy", "msg-type", M(0, wire.MSG_CORRECTION), 400, "type"),
     Case("greedy", "msg-type-str", M(0, "verify"), 400, "type"),
     # --- wrong types / ranges in each field

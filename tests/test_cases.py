@@ -41,7 +41,8 @@ def generate(url, drafter, tok, *, events: list | None = None, **kw):
     """One generation through a fresh EdgeClient. Client options and request options
     may be mixed in ``kw``; ``events`` collects the streamed TokenEvents."""
     ckw = {k: kw.pop(k) for k in ("depth", "mode", "correction", "support_k",
-                                  "n_proposals", "transport") if k in kw}
+                                  "n_proposals", "transport", "proactive",
+                                  "send_ahead") if k in kw}
     kw.setdefault("prompt_ids", PROMPT)
 
     async def go():
@@ -668,13 +669,19 @@ def test_stale_blocks_refused_with_confirmed_state(http):
     sid = http.create(prompt_ids=PROMPT)["session_id"]
     r0 = wire.VerifyResponse.decode(http.verify(sid, vbody(sid, 0, 3, [59, 9]))[1])
     r1 = wire.VerifyResponse.decode(http.verify(sid, vbody(sid, 1, r0.base_len, [9]))[1])
+    # the block before the last is still answered from the replay cache (its answer may
+    # have been lost while a block sent ahead was verified), unchanged
     st = http.state(sid)
-    assert st["base_len"] == r1.base_len and st["next_block_seq"] == 2
+    assert http.verify(sid, vbody(sid, 0, 3, [59, 9]))[1] == http.verify(
+        sid, vbody(sid, 0, 3, [59, 9]))[1] and http.state(sid) == st
+    r2 = wire.VerifyResponse.decode(http.verify(sid, vbody(sid, 2, r1.base_len, [9]))[1])
+    st = http.state(sid)
+    assert st["base_len"] == r2.base_len and st["next_block_seq"] == 3
     cases = [
-        (vbody(sid, 2, r0.base_len, [9]), "base_len"),    # old base, current seq
+        (vbody(sid, 3, r1.base_len, [9]), "base_len"),    # old base, current seq
         (vbody(sid, 0, 3, [59, 9]), "block_seq"),          # an old block, resent late
-        (vbody(sid, 1, r0.base_len, [7]), "block_seq"),    # old seq, new content
-        (vbody(sid, 5, r1.base_len, [9]), "block_seq"),    # a block from the future
+        (vbody(sid, 2, r1.base_len, [7]), "block_seq"),    # old seq, new content
+        (vbody(sid, 6, r2.base_len, [9]), "block_seq"),    # a block from the future
     ]
     for body, field in cases:
         status, data = http.verify(sid, body)
@@ -719,7 +726,18 @@ def test_sampling_retry_never_resamples(http):
     assert status == 409 and json.loads(data)["error"]["state"] == http.state(sid)
 
 
-class DoubleSend(Transport):
+class Delayed(Transport):
+    """Verify requests leave ``delay_s`` late (a slower link)."""
+
+    delay_s = 0.0
+
+    async def request(self, method, path, body=b"", content_type=MSGPACK):
+        if path.endswith("/verify"):
+            await asyncio.sleep(self.delay_s)
+        return await super().request(method, path, body, content_type)
+
+
+class DoubleSend(Delayed):
     """Delivers every verify request twice (as a retry after a lost response would)
     and keeps the second answer."""
 
@@ -732,18 +750,26 @@ class DoubleSend(Transport):
         return await super().request(method, path, body, content_type)
 
 
-@pytest.mark.parametrize("mode", ["asym", "standard"])
-def test_transport_retries_do_not_double_sample(mode, app, srv, rec, tok, close_draft):
+@pytest.mark.parametrize("mode,ahead", [("asym", False), ("standard", False),
+                                        ("asym", True)],
+                         ids=["asym", "standard", "asym-send-ahead"])
+def test_transport_retries_do_not_double_sample(mode, ahead, app, srv, rec, tok,
+                                                close_draft):
     kw = dict(mode=mode, depth=4, sampling=T1, seed=17, max_new_tokens=30)
+    slow, double = Delayed(srv.url), DoubleSend(srv.url)
+    if ahead:   # blocks sent before their predecessor's verdict, each delivered twice
+        kw.update(proactive="ipdg", send_ahead=True)
+        slow.delay_s = double.delay_s = 0.02
     rec.reset()
-    plain = generate(srv.url, TorchDrafter(close_draft), tok, **kw)
+    plain = generate(srv.url, TorchDrafter(close_draft), tok, transport=slow, **kw)
     passes = len(rec.rounds)
     rec.reset()
-    retried = generate(srv.url, TorchDrafter(close_draft), tok,
-                       transport=DoubleSend(srv.url), **kw)
+    retried = generate(srv.url, TorchDrafter(close_draft), tok, transport=double, **kw)
     assert retried.token_ids == plain.token_ids
     assert retried.metrics["accepted_hist"] == plain.metrics["accepted_hist"]
     assert len(rec.rounds) == passes, "a duplicate block ran a second target pass"
+    if ahead:
+        assert plain.metrics["ahead_blocks"] > 0 and retried.metrics["ahead_hits"] > 0
 
 
 # ================================================================== CASES 10: statistics

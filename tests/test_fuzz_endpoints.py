@@ -27,7 +27,7 @@ MSGPACK = {"content-type": "application/x-msgpack"}
 
 
 def snapshot(s):
-    return (list(s.tokens), s.next_seq, s.awaiting, list(s.kv.ids), s.last and s.last[0])
+    return (list(s.tokens), s.next_seq, s.awaiting, list(s.kv.ids), sorted(s.replay))
 
 
 @pytest.fixture(scope="module")

@@ -259,3 +259,84 @@ def test_ipdg_distribution_in_process_10k(cfg, roots):
 
     counts, exact = ipdg_counts(10_000, cfg, roots)
     assert pvalue(counts, exact) > 0.01
+
+
+# ----------------------------------------------------------------------------- send ahead
+
+@pytest.mark.parametrize("proactive", ["ipdg", "npdg"])
+@pytest.mark.parametrize("controller", ["fixed", "caac"])
+def test_send_ahead_greedy_identity(svc, tok, close_draft, draft, reference, proactive,
+                                    controller):
+    """Pipelined verification: blocks sent before their predecessor's verdict commit the
+    target's greedy output; hits are verified ahead, misses refused and redrafted."""
+    for d in (close_draft, draft):            # mostly hits / many misses
+        out = generate(svc, TorchDrafter(d), tok, delay_s=0.01, controller=controller,
+                       proactive=proactive, send_ahead=True)
+        assert out.token_ids == reference
+        m = out.metrics
+        assert m["ahead_blocks"] > 0
+        assert m["ahead_blocks"] == m["ahead_hits"] + m["ahead_dropped"]
+        if d is close_draft:
+            assert m["ahead_hits"] > 0
+    assert m["ahead_dropped"] > 0                # the far draft misses
+
+
+def test_send_ahead_sampling_equals_stop_and_wait_seed_by_seed(svc, tok, close_draft):
+    """Same seed, same depth: with blocks sent ahead the committed tokens are exactly
+    stop-and-wait's (the cloud's per-block draws and the draft's per-round draws do
+    not depend on when a block is sent)."""
+    cfg = SamplingConfig(temperature=0.9)
+    hits = 0
+    for seed in range(4):
+        base = generate(svc, TorchDrafter(close_draft), tok, n=16, depth=2, sampling=cfg,
+                        seed=seed)
+        out = generate(svc, TorchDrafter(close_draft), tok, n=16, depth=2, sampling=cfg,
+                       seed=seed, delay_s=0.01, proactive="ipdg", send_ahead=True)
+        assert out.token_ids == base.token_ids
+        hits += out.metrics["ahead_hits"]
+    assert hits > 0
+
+
+def test_send_ahead_stale_block_changes_nothing(target, tok):
+    """The cloud side: a block sent ahead on an outcome that did not happen is refused
+    with 409 stale_block naming expect_last, before any charge, and the session is as
+    before; the same bytes after the right outcome are verified; a retry is replayed."""
+    from cloud_api.sessions import ApiError
+    from edge_sdk.protocol import wire
+
+    async def main():
+        svc = CloudService(target, tok)
+        await svc.start()
+        info = await svc.create({"prompt_ids": PROMPT, "sampling": {}, "seed": 0,
+                                 "max_new_tokens": 8}, None)
+        sid = int(info["session_id"])
+        first = wire.VerifyRequest(sid, 0, 3, info["config_id"], None,
+                                   np.array([], dtype=np.int64), None, None, PROMPT[-1])
+        ans = wire.VerifyResponse.decode(await svc.verify(str(sid), first.encode(svc.verifier.vocab_size), None))
+        bonus = ans.next_token
+        wrong = (bonus + 1) % svc.verifier.vocab_size
+        mk = lambda last: wire.VerifyRequest(sid, 1, 4, info["config_id"], None,  # noqa: E731
+                                             np.array([7], dtype=np.int64), None, None,
+                                             last).encode(svc.verifier.vocab_size)
+        charged = []
+        with pytest.raises(ApiError) as e:
+            await svc.verify(str(sid), mk(wrong), None, charge=charged.append)
+        assert e.value.status == 409 and e.value.code == "stale_block"
+        assert e.value.field == "expect_last" and charged == []
+        s = svc.sessions.get(str(sid))
+        assert s.next_seq == 1 and s.base_len == 4
+        out = await svc.verify(str(sid), mk(bonus), None, charge=charged.append)
+        assert charged == [2] and await svc.verify(str(sid), mk(bonus), None) == out
+        assert await svc.verify(str(sid), first.encode(svc.verifier.vocab_size), None) \
+            == first_out(svc, sid)
+        await svc.stop()
+
+    def first_out(svc, sid):
+        return svc.sessions.get(str(sid)).replay[0][1]
+
+    asyncio.run(main())
+
+
+def test_send_ahead_needs_proactive(tok):
+    with pytest.raises(ValueError, match="send_ahead"):
+        EdgeClient("inproc://", None, tok, send_ahead=True)

@@ -422,6 +422,18 @@ class SpecRelayMode(_SpeculativeMode):
     client_mode = "asym"
 
 
+@register_mode
+class SpecRelayAheadMode(_SpeculativeMode):
+    """The compact protocol at a fixed depth with pipelined verification: IPDG drafts
+    the next block while one is verified and sends it ahead (``send_ahead``), so the
+    cloud verifies back to back on proactive hits."""
+
+    name = "sr-ahead"
+    description = "specrelay + IPDG + blocks sent ahead (pipelined verification)"
+    client_mode = "asym"
+    client_kw = {"proactive": "ipdg", "send_ahead": True}
+
+
 # --------------------------------------------------------------------------- cloud-ar client
 
 

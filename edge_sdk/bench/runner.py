@@ -104,7 +104,8 @@ class BenchConfig:
             ``max_new_tokens``).
     """
 
-    modes: list = field(default_factory=lambda: ["cloud-ar", "standard-sd", "specrelay"])
+    modes: list = field(default_factory=lambda: ["cloud-ar", "standard-sd", "specrelay",
+                                                 "sr-ahead"])
     profiles: list = field(default_factory=lambda: list(PROFILES))
     workloads: list = field(default_factory=lambda: ["mtbench", "humaneval"])
     sampling: list = field(default_factory=lambda: ["greedy", "sample"])
@@ -136,7 +137,7 @@ class BenchConfig:
     mode_workloads: dict | None = None
 
 
-_QUICK_BASIC = ["cloud-ar", "standard-sd", "specrelay"]
+_QUICK_BASIC = ["cloud-ar", "standard-sd", "specrelay", "sr-ahead"]
 _QUICK_ADAPTIVE = ["caac", "fixed-3", "fixed-5"]          # medium and medium+slow
 _QUICK_PROACTIVE = ["stop-and-wait", "ipdg", "npdg"]      # medium, at --depth
 _QUICK_PEERS = ["llamacpp-ar", "llamacpp-spec"]

@@ -9,7 +9,13 @@ Verify request (edge -> cloud), per block of depth g:
     [MSG_VERIFY, session_id, block_seq, base_len, config_id, pending_commit|nil,
      tokens: bin (g ids, little-endian uint16 if V <= 65536 else uint32),
      q: bin (g float64, q_i(d_i)) | nil (greedy),
-     q_full: bin (g*V float64, the "standard" baseline only) | nil]
+     q_full: bin (g*V float64, the "standard" baseline only) | nil,
+     expect_last: int | nil]            (optional 10th element; absent = nil)
+    ``expect_last`` marks a block sent *ahead*: drafted from the assumed outcome of the
+    previous block, which is still being verified (all of it accepted and this token as
+    its bonus). The cloud verifies it only if its confirmed prefix then ends with
+    ``expect_last`` at ``base_len``; otherwise it answers 409 ``stale_block`` and
+    changes nothing.
 Verify response (cloud -> edge):
     [MSG_VERIFY_OK, block_seq, accepted, next_token|nil, correction|nil, base_len,
      target_s]
@@ -107,23 +113,27 @@ class VerifyRequest:
     tokens: np.ndarray            # int [g]
     q_tok: np.ndarray | None      # float64 [g]
     q_full: np.ndarray | None     # float64 [g, V]
+    expect_last: int | None = None    # sent ahead: the assumed bonus of the prior block
 
     def encode(self, vocab_size: int) -> bytes:
         dt = token_dtype(vocab_size)
-        return pack([MSG_VERIFY, self.session_id, self.block_seq, self.base_len,
-                     self.config_id, self.pending_commit,
-                     np.asarray(self.tokens, dtype=dt).tobytes(),
-                     None if self.q_tok is None
-                     else np.asarray(self.q_tok, dtype="<f8").tobytes(),
-                     None if self.q_full is None
-                     else np.ascontiguousarray(self.q_full, dtype="<f8").tobytes()])
+        m = [MSG_VERIFY, self.session_id, self.block_seq, self.base_len,
+             self.config_id, self.pending_commit,
+             np.asarray(self.tokens, dtype=dt).tobytes(),
+             None if self.q_tok is None
+             else np.asarray(self.q_tok, dtype="<f8").tobytes(),
+             None if self.q_full is None
+             else np.ascontiguousarray(self.q_full, dtype="<f8").tobytes()]
+        if self.expect_last is not None:
+            m.append(int(self.expect_last))
+        return pack(m)
 
     @classmethod
     def decode(cls, body: bytes, vocab_size: int, max_block: int) -> "VerifyRequest":
         """Parse and validate. Raises WireError naming the field."""
         m = unpack(body)
-        if not isinstance(m, list) or len(m) != 9:
-            raise WireError("body", "verify request must be a 9-element array")
+        if not isinstance(m, list) or len(m) not in (9, 10):
+            raise WireError("body", "verify request must be a 9- or 10-element array")
         if m[0] != MSG_VERIFY:
             raise WireError("type", f"expected message type {MSG_VERIFY}")
         sid = _int(m[1], "session_id")
@@ -143,7 +153,11 @@ class VerifyRequest:
             qf = _probs(m[8], "q_full", g * vocab_size, allow_zero=True).reshape(g, vocab_size)
             if g and not np.allclose(qf.sum(axis=1), 1.0, atol=1e-6):
                 raise WireError("q_full", "each row must sum to 1")
-        return cls(sid, seq, base, cfg, pend, toks.astype(np.int64), q, qf)
+        expect = (None if len(m) < 10 or m[9] is None
+                  else _int(m[9], "expect_last", 0, vocab_size - 1))
+        if expect is not None and pend is not None:
+            raise WireError("expect_last", "a block sent ahead cannot carry pending_commit")
+        return cls(sid, seq, base, cfg, pend, toks.astype(np.int64), q, qf, expect)
 
 
 @dataclass
