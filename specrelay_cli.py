@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -57,22 +59,22 @@ def sampling_options(f):
         click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--max-new-tokens", type=int, default=96, show_default=True),
-        click.option("--depth", type=click.IntRange(1, 8), default=6, show_default=True,
+        click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
                      help="Draft depth gamma (tokens per block; 6 measured best for the "
                      "default pair: a 7-token verify pass costs about a 1-token one)."),
         click.option("--controller", type=click.Choice(["fixed", "heuristic", "caac",
                                                        "ucb-specstop"]),
                      default="fixed", show_default=True,
-                     help="Draft-depth policy (SPEC §4, §6); fixed uses --depth."),
+                     help="Draft-depth policy (RAPID; UCB-SpecStop); fixed uses --depth."),
         click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
                      default="ipdg", show_default=True, help="Draft the next block while "
-                     "one is verified (SPEC §5): ipdg interruptible, npdg not, off: "
+                     "one is verified (RAPID): ipdg interruptible, npdg not, off: "
                      "stop-and-wait."),
         click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
                      help="Pipelined verification: send a proactive block before the "
                      "previous verdict (the cloud verifies it only if its assumed prefix "
                      "is confirmed). Needs --proactive ipdg|npdg."),
-        click.option("--proactive-roots", type=click.IntRange(1, 8), default=1,
+        click.option("--proactive-roots", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=1,
                      show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
         click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
                      "of the model draft."),
@@ -153,7 +155,7 @@ def _print_result(res, as_json: bool, title: str, note: str | None = None,
     con.rule(title)
     con.print(res.text, markup=False, highlight=False)
     con.print(f"[dim]finish_reason={res.finish_reason}  tokens={len(res.token_ids)}[/dim]")
-    t = Table(title="metrics (SPEC §7)")
+    t = Table(title="metrics")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k in ("acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_s",
@@ -169,7 +171,28 @@ def _print_result(res, as_json: bool, title: str, note: str | None = None,
         con.print(f"[yellow]{note}[/yellow]")
 
 
-@click.group()
+EXTRA_OF_MODULE = {"onnxruntime": "edge", "onnx": "export", "onnxscript": "export",
+                   "limits": "cloud", "prometheus_client": "cloud", "matplotlib": "bench",
+                   "xllamacpp": "bench", "tensorrt": "jetson"}
+"""Optional imports -> the pyproject extra that installs them."""
+
+
+class _Group(click.Group):
+    """Turns a missing optional dependency into one line naming the extra to install."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+            if extra is None:
+                raise
+            raise click.ClickException(
+                f"this command needs the [{extra}] extra (module {e.name!r} is missing): "
+                f"pip install -c constraints.txt -e \".[{extra}]\"") from None
+
+
+@click.group(cls=_Group)
 def main():
     """specrelay: edge-cloud speculative decoding with the target model's exact output."""
 
@@ -305,33 +328,21 @@ def demo(prompt, target, draft, compare, dtype, **kw):
 
 def _mount():
     from cloud_api.keys_cli import keys
+    from bench.cli import bench
+    from edge_sdk.openai_server import edge_serve
+    from exporters.cli import export
+    from exporters.distill import distill_command
 
     main.add_command(keys)
-    try:
-        from exporters.cli import export
-        main.add_command(export)
-    except ImportError:
-        pass
+    main.add_command(export)
 
     @main.group()
     def draft():
         """Create draft models for a target."""
 
-    try:
-        from exporters.distill import distill_command
-        draft.add_command(distill_command, "distill")
-    except ImportError:
-        pass
-    try:
-        from edge_sdk.bench.cli import bench
-        main.add_command(bench)
-    except ImportError:
-        pass
-    try:
-        from edge_sdk.openai_server import edge_serve
-        main.add_command(edge_serve, "edge-serve")
-    except ImportError:
-        pass
+    draft.add_command(distill_command, "distill")
+    main.add_command(bench)
+    main.add_command(edge_serve, "edge-serve")
 
 
 _mount()

@@ -1,4 +1,4 @@
-"""aiohttp application: the signed verification API (SPEC §2).
+"""aiohttp application: the signed verification API (AsymSpec §IV-B).
 
 Routes:
     POST   /v1/sessions                    create a session, prefill the target KV cache
@@ -22,16 +22,18 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from aiohttp import web
 
+from cloud_api import stream
 from cloud_api.batcher import VerifyQueue
+from cloud_api.context import MSGPACK, SERVICE, owner
 from cloud_api.sessions import ApiError, Session, SessionStore
 from cloud_api.verifier import Verifier
 from edge_sdk.kvmodel import KVModel
 from edge_sdk.models import encode_prompt, eos_ids, tokenizer_fingerprint
 from edge_sdk.protocol import wire
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 
 log = logging.getLogger("specrelay.cloud")
-MSGPACK = "application/x-msgpack"
-SERVICE = web.AppKey("service", object)
+_owner = owner
 
 
 def _json_error(e: ApiError) -> web.Response:
@@ -68,7 +70,7 @@ def kv_bytes_per_token(model) -> int:
 class CloudService:
     """Owns the target model, the sessions and the verification queue."""
 
-    def __init__(self, model, tokenizer, *, max_block: int = 8, max_batch: int = 8,
+    def __init__(self, model, tokenizer, *, max_block: int = MAX_DRAFT_TOKENS, max_batch: int = 8,
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
                  max_sessions: int = 256, max_sessions_per_key: int = 64,
                  kv_budget_bytes: int | None = None, threads: int | None = None,
@@ -170,11 +172,6 @@ class CloudService:
         self._locks.pop(s.id, None)
 
 
-def _owner(request: web.Request) -> str | None:
-    key = request.get("api_key")
-    return None if key is None else str(getattr(key, "key_id", key))
-
-
 async def _read_control(request: web.Request) -> dict:
     body = await request.read()
     if request.content_type == "application/json":
@@ -273,5 +270,5 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, mid
     app.router.add_get("/v1/sessions/{sid}", get_session)
     app.router.add_delete("/v1/sessions/{sid}", delete_session)
     app.router.add_get("/healthz", healthz)
-    __import__("cloud_api.stream", fromlist=["register"]).register(app)  # POST .../generate
+    stream.register(app)  # POST .../generate
     return app

@@ -1,4 +1,5 @@
-"""Global verification queue: blocks of all sessions are batched as they arrive (SPEC §3)."""
+"""Global verification queue: blocks of all sessions are batched as they arrive
+(AsymSpec §IV-C)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Prometheus metrics for the verification API (``GET /metrics``).
 
 Each app gets its own ``CollectorRegistry`` (several apps can live in one process).
-Names follow SPEC §7 where a counter exists for them.
+Names are the edge metrics' names where a counter exists for them.
 """
 
 from __future__ import annotations

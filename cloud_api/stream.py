@@ -50,6 +50,7 @@ import msgpack
 import torch
 from aiohttp import web
 
+from cloud_api.context import SERVICE, owner
 from cloud_api.sessions import ApiError, Session
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol import wire
@@ -121,10 +122,8 @@ def _limit(s: Session, opts: dict) -> int:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """``POST /v1/sessions/{sid}/generate``: stream target-only tokens (module doc)."""
-    from cloud_api.app import SERVICE, _owner  # late: app imports this module
-
     svc = request.app[SERVICE]
-    s: Session = svc.sessions.get(request.match_info["sid"], _owner(request))
+    s: Session = svc.sessions.get(request.match_info["sid"], owner(request))
     opts = await _read_options(request)
     limit = _limit(s, opts)
     ndjson = STREAM_NDJSON in request.headers.get("Accept", "")

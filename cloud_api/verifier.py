@@ -1,4 +1,5 @@
-"""Target-side verification of draft blocks and the correction payloads (SPEC §1-2).
+"""Target-side verification of draft blocks and the correction payloads
+(speculative sampling, Leviathan et al. 2023 §2.3; AsymSpec §IV-B).
 
 Mechanism only: the acceptance rule, residual and certificate math come from
 ``edge_sdk.protocol.sampling`` (shared with the edge).
@@ -14,6 +15,7 @@ import torch
 from cloud_api.sessions import ApiError, Session
 from edge_sdk.kvmodel import batched_forward
 from edge_sdk.protocol import sampling as S
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
                                     VerifyRequest, VerifyResponse)
 
@@ -26,7 +28,7 @@ class Verifier:
     is answered on its own. ``passes`` counts target passes (a batch counts once).
     """
 
-    def __init__(self, model, max_block: int = 8):
+    def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))

@@ -1,21 +1,43 @@
 """specrelay edge SDK: draft locally, verify in the cloud, get the target's exact output.
 
 Public API: :class:`EdgeClient`, :class:`GenerationResult`, :class:`TokenEvent`,
-:class:`SamplingConfig`, :func:`generate` (synchronous convenience wrapper).
+:class:`CloudUnreachable`, :class:`SamplingConfig`, :func:`generate` (synchronous
+convenience wrapper). Names load on first use, so ``import edge_sdk.protocol`` (what the
+cloud shares with the edge) does not load the client.
 """
 
-from edge_sdk.client import CloudUnreachable, EdgeClient, GenerationResult, TokenEvent
-from edge_sdk.protocol.sampling import SamplingConfig
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["EdgeClient", "GenerationResult", "TokenEvent", "SamplingConfig", "generate",
            "CloudUnreachable"]
 
+_LAZY = {"EdgeClient": "edge_sdk.client", "GenerationResult": "edge_sdk.client",
+         "TokenEvent": "edge_sdk.client", "CloudUnreachable": "edge_sdk.client",
+         "SamplingConfig": "edge_sdk.protocol.sampling"}
 
-def generate(base_url: str, drafter, tokenizer, prompt: str, **kw) -> GenerationResult:
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'edge_sdk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def generate(base_url: str, drafter, tokenizer, prompt: str, **kw):
     """Run one generation synchronously (``asyncio.run``); see :meth:`EdgeClient.generate`.
-    Client options (depth, mode, signer, ...) and request options may be mixed in ``kw``."""
+    Client options (depth, mode, signer, ...) and request options may be mixed in ``kw``.
+    Returns a :class:`GenerationResult`."""
     import asyncio
     import inspect
+
+    from edge_sdk.client import EdgeClient
 
     client_keys = set(inspect.signature(EdgeClient).parameters) - {"base_url", "drafter",
                                                                    "tokenizer"}

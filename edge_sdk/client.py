@@ -1,10 +1,11 @@
 """Edge client: draft a block, send it, apply the verdict, commit token by token.
 
 Each round's draft depth comes from a depth controller (``edge_sdk.control``: fixed,
-heuristic, CAAC, UCB-SpecStop; SPEC §4, §6). Rounds are stop-and-wait, or proactive
-(``edge_sdk.proactive``: IPDG/NPDG, SPEC §5) where the next block is drafted while the
+heuristic, CAAC of RAPID, UCB-SpecStop). Rounds are stop-and-wait, or proactive
+(``edge_sdk.proactive``: RAPID's IPDG/NPDG) where the next block is drafted while the
 current one is being verified. Output equals the target's: greedy token-for-token,
-sampling in distribution (SPEC §1-2), whatever the controller or proactive mode.
+sampling in distribution (Leviathan et al. 2023 §2.3; AsymSpec §IV-B), whatever the
+controller or proactive mode.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from edge_sdk.drafters.base import DraftBlock, Drafter
 from edge_sdk.metrics import RequestMetrics
 from edge_sdk.models import encode_prompt, tokenizer_fingerprint
 from edge_sdk.protocol import wire
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS
 from edge_sdk.proactive import MODES as PROACTIVE_MODES
 from edge_sdk.proactive import ProactiveResult, draft_generator, run_proactive
 from edge_sdk.protocol.sampling import SamplingConfig
@@ -150,8 +152,8 @@ class EdgeClient:
             raise ValueError(f"correction must be one of {C.MODES}")
         if proactive not in PROACTIVE_MODES:
             raise ValueError(f"proactive must be one of {PROACTIVE_MODES}")
-        if not 1 <= int(proactive_roots) <= 8:
-            raise ValueError("proactive_roots must be in 1..8")
+        if not 1 <= int(proactive_roots) <= MAX_PROACTIVE_ROOTS:
+            raise ValueError(f"proactive_roots must be in 1..{MAX_PROACTIVE_ROOTS}")
         if send_ahead and proactive == "off":
             raise ValueError("send_ahead needs proactive='ipdg' or 'npdg'")
         if on_cloud_loss not in CLOUD_LOSS_POLICIES:
@@ -209,6 +211,10 @@ class EdgeClient:
             target_only: generate with the target alone (blocks of depth 0);
             depth: fixed draft depth for this request (overrides the controller);
             controller: depth controller for this request (as in :class:`EdgeClient`).
+            on_round: ``(record: dict) -> None`` called after every verification round
+                with its record (round, depth, planned, accepted, proactive_block,
+                t_send / t_response / t_ready in seconds since the request started,
+                proactive_steps, proactive_plan, hit); for tracing and benchmarks.
         Raises:
             RemoteError: the API refused a request (4xx) after retries.
         """
@@ -226,7 +232,7 @@ class Generation:
                  max_new_tokens: int = 128, stop: Sequence[str] = (), seed: int = 0,
                  target_only: bool = False, depth: int | None = None,
                  eps_req: float | None = None,
-                 controller: str | DepthController | None = None):
+                 controller: str | DepthController | None = None, on_round=None):
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of prompt or prompt_ids")
         self.c = client
@@ -244,7 +250,7 @@ class Generation:
         self._leased = self.drafter
         self.ctrl = self._make_controller(controller, depth)
         self.round_idx = 0                      # verification rounds so far (draft RNG)
-        self.max_block = 8
+        self.max_block = MAX_DRAFT_TOKENS     # until the cloud says its own
         self._next: tuple | None = None         # kept proactive branch: (Branch, plan)
         self._ahead: _Ahead | None = None       # the kept branch's block, sent ahead
         self._forks: list[Drafter] = []         # extra drafters for proactive tree roots
@@ -252,6 +258,7 @@ class Generation:
         self.path: str | None = None
         self.verified: list[bool] = []
         self.offline = False                    # draft-only while the cloud is lost
+        self.on_round = on_round                # per-round record hook (tracing)
 
     def _make_controller(self, spec, depth: int | None) -> DepthController:
         if depth is not None:
@@ -536,14 +543,15 @@ class Generation:
                           proactive=from_branch, wasted=wasted)
         self.ctrl.update(rec)
         m.depth_hist.append(planned)
-        m.round_trace.append({
-            "round": self.round_idx, "depth": g, "planned": planned, "accepted": a,
-            "proactive_block": from_branch, "t_send": t0 - m.t_start,
-            "t_response": t_resp - m.t_start,
-            "t_ready": None if pro is None else pro.t_ready - m.t_start,
-            "proactive_steps": None if pro is None else pro.steps,
-            "proactive_plan": None if pro is None else pro.plan,
-            "hit": None if pro is None else self._next is not None})
+        if self.on_round is not None:
+            self.on_round({
+                "round": self.round_idx, "depth": g, "planned": planned, "accepted": a,
+                "proactive_block": from_branch, "t_send": t0 - m.t_start,
+                "t_response": t_resp - m.t_start,
+                "t_ready": None if pro is None else pro.t_ready - m.t_start,
+                "proactive_steps": None if pro is None else pro.steps,
+                "proactive_plan": None if pro is None else pro.plan,
+                "hit": None if pro is None else self._next is not None})
         self.round_idx += 1
         return new
 

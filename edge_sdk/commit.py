@@ -1,4 +1,4 @@
-"""Token-by-token commit with EOS, stop strings and the length cap (SPEC §1, CASES 2, 6).
+"""Token-by-token commit with EOS, stop strings and the length cap.
 
 Speculative rounds hand over several tokens at once; they are committed one at a time
 so a stop condition inside a block ends generation right there: nothing after it is

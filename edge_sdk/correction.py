@@ -1,4 +1,4 @@
-"""Edge side of staged correction (AsymSpec §IV-B; SPEC §2).
+"""Edge side of staged correction (AsymSpec §IV-B; AsymSpec §IV-B).
 
 At the first rejected position the edge holds q (the draft distribution it sampled
 from) and receives target information in stages:

@@ -97,8 +97,8 @@ def part_files(parted: PartedGGUF) -> list[Path]:
 
 
 def assembled_path(parted: PartedGGUF) -> Path:
-    """Where the assembled file lives: ``edge_sdk.models.cache_dir()/gguf-parts``."""
-    from edge_sdk.models import cache_dir
+    """Where the assembled file lives: ``edge_sdk.cache.cache_dir()/gguf-parts``."""
+    from edge_sdk.cache import cache_dir
 
     return cache_dir() / "gguf-parts" / parted.file_name
 

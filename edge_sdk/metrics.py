@@ -1,4 +1,4 @@
-"""Per-request metrics with the SPEC §7 names."""
+"""Per-request metrics, under the names bench JSON and Prometheus share."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def classify_divergence(ref: Sequence[int], ref_ties: Iterable[int], out: Sequen
 
 @dataclass
 class RequestMetrics:
-    """Raw counters of one generation request; :meth:`to_dict` derives SPEC §7 metrics.
+    """Raw counters of one generation request; :meth:`to_dict` derives the shared metrics.
 
     Times are seconds (``time.perf_counter``), sizes bytes, counts tokens.
     """
@@ -56,7 +56,7 @@ class RequestMetrics:
     tv_budget_spent: float = 0.0
     accepted_hist: list = field(default_factory=list)   # accepted drafts per round
     unverified_tokens: int = 0      # draft-only tokens while the cloud was unreachable
-    # proactive drafting (IPDG/NPDG, SPEC §5) and depth control (SPEC §4)
+    # proactive drafting (IPDG/NPDG, RAPID) and depth control (RAPID)
     proactive_rounds: int = 0       # rounds that started a proactive branch
     proactive_hits: int = 0         # ... whose branch matched the verdict and was kept
     proactive_drafted_tokens: int = 0   # tokens drafted proactively (all branches)
@@ -69,7 +69,6 @@ class RequestMetrics:
     depth_hist: list = field(default_factory=list)      # controller's planned depth per round
     near_tie_positions: list = field(default_factory=list)  # generated-token indices whose
     # greedy target choice was a near-tie (top-2 gap < sampling.NEAR_TIE_GAP[dtype])
-    round_trace: list = field(default_factory=list)     # per-round timing dicts (seconds)
 
     def first_token(self) -> None:
         if self.t_first is None:
@@ -121,5 +120,5 @@ class RequestMetrics:
             "proactive_late_steps": self.proactive_late_steps,
             "ahead_blocks": self.ahead_blocks, "ahead_hits": self.ahead_hits,
             "ahead_dropped": self.ahead_dropped,
-            "depth_hist": list(self.depth_hist), "round_trace": list(self.round_trace),
+            "depth_hist": list(self.depth_hist),
         }

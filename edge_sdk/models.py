@@ -1,9 +1,9 @@
 """Model loading for draft and target: HF ids/paths, GGUF files and named presets.
 
-Everything loads offline (``HF_HUB_OFFLINE=1``). A GGUF checkpoint is dequantised by
-transformers on first load (~16-20 s for SmolLM2-135M) and the float32 result is cached
-as safetensors under ``$SPECRELAY_CACHE`` (default ``~/.cache/specrelay``), so later
-loads take about a second.
+Everything loads offline (``local_files_only``; the host's environment is left alone).
+A GGUF checkpoint is dequantised by transformers on first load (~16-20 s for
+SmolLM2-135M) and the result is cached as safetensors under ``$SPECRELAY_CACHE``
+(default ``~/.cache/specrelay``), so later loads take about a second.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from pathlib import Path
 
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from edge_sdk.cache import cache_dir
+from edge_sdk.draft_format import is_draft_folder, load_draft
+
+OFFLINE = {"local_files_only": True}
+"""``from_pretrained`` options: never reach a model hub (nothing downloads at run time)."""
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,10 +36,6 @@ class ModelSpec:
     path: str
     gguf_file: str | None = None
     truncate_layers: int | None = None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECRELAY_CACHE", Path.home() / ".cache" / "specrelay"))
 
 
 def package_dir(module: str) -> Path:
@@ -161,9 +160,9 @@ def load_tokenizer(spec: ModelSpec | str):
         for dtype in DTYPES:
             cached = _gguf_cache_path(spec, dtype)
             if (cached / "tokenizer_config.json").exists():
-                return AutoTokenizer.from_pretrained(cached)
-        return AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
-    return AutoTokenizer.from_pretrained(spec.path)
+                return AutoTokenizer.from_pretrained(cached, **OFFLINE)
+        return AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
+    return AutoTokenizer.from_pretrained(spec.path, **OFFLINE)
 
 
 def _load_full(spec: ModelSpec, dtype: str = "float32"):
@@ -173,13 +172,13 @@ def _load_full(spec: ModelSpec, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not spec.gguf_file:
-        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32, **OFFLINE)
     cached = _gguf_cache_path(spec, dtype)
     if (cached / "config.json").exists():
-        return AutoModelForCausalLM.from_pretrained(cached, dtype=DTYPES[dtype])
-    model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=DTYPES[dtype], **OFFLINE)
+    model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
     model = model.to(DTYPES[dtype])
-    tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+    tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
     try:
         # The weights are already dequantised; drop the GGUF marker so the model saves
         # as a plain checkpoint.
@@ -230,10 +229,8 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
     """
     dtype = resolve_dtype(dtype)
     spec = resolve(spec) if isinstance(spec, str) else spec
-    if not spec.gguf_file and (Path(spec.path) / "specrelay_draft.json").is_file():
-        from exporters.distill import load_draft  # a distilled draft: rebuilt from its target
-
-        return load_draft(spec.path, dtype=dtype, threads=threads)
+    if not spec.gguf_file and is_draft_folder(spec.path):   # rebuilt from its target
+        return load_draft(spec.path, dtype=dtype, threads=threads, load_target=load_model)
     if threads:
         torch.set_num_threads(threads)
     model = _load_full(spec, dtype)

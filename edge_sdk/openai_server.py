@@ -56,6 +56,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from edge_sdk.client import EdgeClient, GenerationResult
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.transport import RemoteError
 
@@ -548,7 +549,7 @@ if click is not None:
     @click.option("--draft", default=None, help="Draft model (default: the demo draft).")
     @click.option("--host", default="127.0.0.1", show_default=True)
     @click.option("--port", default=8080, show_default=True)
-    @click.option("--depth", type=click.IntRange(1, 8), default=6, show_default=True,
+    @click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
                   help="Draft depth gamma (tokens per block).")
     @click.option("--model-name", default="specrelay", show_default=True,
                   help="The model name reported to OpenAI clients.")

@@ -1,5 +1,5 @@
-"""IPDG / NPDG — proactive draft generation while a block is being verified (RAPID;
-SPEC §5).
+"""IPDG / NPDG — proactive draft generation while a block is being verified
+(RAPID).
 
 While block ``D_i`` is in flight the edge drafts ``D_{i+1}`` from the *assumed* prefix
 (``D_i`` fully accepted + a guessed bonus token). The guess is the draft's top-b tokens
@@ -84,7 +84,7 @@ def guess_roots(drafter: Drafter, assumed: Sequence[int], cfg: SamplingConfig,
 
 @dataclass
 class Branch:
-    """One proactive branch: ``root`` then drafted tokens, with their q (SPEC §1 wire
+    """One proactive branch: ``root`` then drafted tokens, with their q (AsymSpec §IV-B wire
     values) and the round generator it samples from."""
 
     drafter: Drafter
@@ -129,7 +129,7 @@ class Branch:
 
 @dataclass
 class ProactiveResult:
-    """Outcome of one proactive phase (per round; see ``RequestMetrics.round_trace``)."""
+    """Outcome of one proactive phase (per round; reported through the request's ``on_round`` hook)."""
 
     branches: list[Branch]
     plan: int                    # planned depth of the next block

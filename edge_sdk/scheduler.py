@@ -1,4 +1,4 @@
-"""Confirmed-prefix draft scheduler (AsymSpec §IV-C; SPEC §3).
+"""Confirmed-prefix draft scheduler (AsymSpec §IV-C; AsymSpec §IV-C).
 
 The edge's draft compute (one worker thread) is granted to *ready* requests: a request
 is ready when its prefix is confirmed and it has no open block. A block is open from the

@@ -10,10 +10,10 @@ import json
 
 import aiohttp
 
-from edge_sdk.retry import backoff_delay
+from edge_sdk.retry import RETRYABLE_STATUSES, backoff_delay
 
 MSGPACK = "application/x-msgpack"
-RETRY_STATUS = {429, 502, 503, 504}
+RETRY_STATUS = RETRYABLE_STATUSES   # one definition (edge_sdk.retry)
 
 
 class RemoteError(Exception):

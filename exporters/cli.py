@@ -47,7 +47,7 @@ def _load(model: str, threads: int | None, dtype: str = "float32"):
 
     if threads:
         torch.set_num_threads(threads)
-    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
     if spec.truncate_layers:
         m = truncate_layers(m, spec.truncate_layers)
     return m.eval().requires_grad_(False), None

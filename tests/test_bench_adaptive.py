@@ -11,10 +11,10 @@ import os
 
 import pytest
 
-from edge_sdk.bench import adaptive as A
-from edge_sdk.bench import report
-from edge_sdk.bench.linkem import Profile
-from edge_sdk.bench.runner import QUICK, BenchConfig, _profile, run_bench
+from bench import adaptive as A
+from bench import report
+from bench.linkem import Profile
+from bench.runner import QUICK, BenchConfig, _profile, run_bench
 from tests.test_bench_runner import PROMPTS, tiny_draft, tiny_target
 
 
@@ -99,8 +99,8 @@ def test_quick_preset_has_the_adaptive_group():
 def test_cli_quick_passes_the_adaptive_settings(monkeypatch):
     from click.testing import CliRunner
 
-    from edge_sdk.bench import runner
-    from edge_sdk.bench.cli import bench
+    from bench import runner
+    from bench.cli import bench
 
     seen = []
     monkeypatch.setattr(runner, "run_bench", lambda cfg, out_dir, progress=True, log=None:

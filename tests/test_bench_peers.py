@@ -1,4 +1,4 @@
-"""Peer engines in the bench (edge_sdk/bench/peers.py): registry, ratio orientation, the
+"""Peer engines in the bench (bench/peers.py): registry, ratio orientation, the
 missing-xllamacpp error, a tiny-model run of the transformers peers through run_bench,
 and (real_model) llama.cpp's greedy tokens against the transformers target's.
 """
@@ -15,12 +15,12 @@ import pytest
 
 from edge_sdk.kvmodel import common_prefix
 
-from edge_sdk.bench import report
-from edge_sdk.bench.linkem import Profile
-from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RunSetup, get_mode,
+from bench import report
+from bench.linkem import Profile
+from bench.modes import (BenchRequest, EdgeContext, RunSetup, get_mode,
                                   mode_names)
-from edge_sdk.bench.runner import BenchConfig, ratio_specs, run_bench
-from edge_sdk.bench.workloads import Prompt
+from bench.runner import BenchConfig, ratio_specs, run_bench
+from bench.workloads import Prompt
 from edge_sdk.protocol.sampling import SamplingConfig
 from tests.conftest import tiny_model, tiny_tokenizer
 
@@ -50,20 +50,20 @@ def test_peer_modes_registered_lazily_and_listed():
     assert not get_mode("llamacpp-spec").baseline and not get_mode("hf-assisted").baseline
     assert get_mode("llamacpp-spec").gain_baseline == "llamacpp-ar"
     assert get_mode("hf-assisted").gain_baseline == "hf-ar"
-    from edge_sdk.bench import runner
+    from bench import runner
 
     # the runner's greedy identity / divergence checks leave the peers' other kernels out
     assert not any(runner._same_engine({"mode": n}) for n in PEERS)
     assert runner._same_engine({"mode": "specrelay"})
     # import edge_sdk (and the mode registry itself) does not import the peers
-    code = ("import sys, edge_sdk, edge_sdk.bench.modes, edge_sdk.bench.runner; "
-            "assert 'edge_sdk.bench.peers' not in sys.modules; "
+    code = ("import sys, edge_sdk, bench.modes, bench.runner; "
+            "assert 'bench.peers' not in sys.modules; "
             "assert 'xllamacpp' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
 
     from click.testing import CliRunner
 
-    from edge_sdk.bench.cli import bench
+    from bench.cli import bench
 
     r = CliRunner().invoke(bench, ["--list-modes"])
     assert r.exit_code == 0
@@ -103,7 +103,7 @@ def test_ratio_specs_speculative_gain_orientation():
     assert rows[("specrelay", "cloud-ar")] == pytest.approx(1.5)
     assert rows[("llamacpp-spec", "llamacpp-ar")] == pytest.approx(1.5)   # spec / ar
     assert rows[("hf-assisted", "hf-ar")] == pytest.approx(0.5)           # a slowdown
-    from edge_sdk.bench import peers
+    from bench import peers
 
     md = peers.summary_md({"config": {"cloud_cpus": [0], "cloud_threads": 1},
                            "runs": runs, "ratios": report.compute_ratios(runs, specs)})
@@ -116,7 +116,7 @@ def test_ratio_specs_speculative_gain_orientation():
 
 
 def test_missing_xllamacpp_is_one_clear_line(monkeypatch, tmp_path):
-    from edge_sdk.bench import peers
+    from bench import peers
 
     monkeypatch.setitem(sys.modules, "xllamacpp", None)      # as if not installed
     run = RunSetup("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "float32", (0,), 1)
@@ -130,7 +130,7 @@ def test_missing_xllamacpp_is_one_clear_line(monkeypatch, tmp_path):
 
     from click.testing import CliRunner
 
-    from edge_sdk.bench.cli import bench
+    from bench.cli import bench
 
     r = CliRunner().invoke(bench, ["--modes", "cloud-ar,llamacpp-ar", "--profiles", "medium",
                                    "--workloads", "humaneval", "--prompts", "1",
@@ -201,7 +201,7 @@ def test_llamacpp_greedy_matches_transformers_target():
     flip a later argmax; the first tokens are robust)."""
     import torch
 
-    from edge_sdk.bench.workloads import load_workload
+    from bench.workloads import load_workload
     from edge_sdk.models import encode_prompt, load_model, load_tokenizer
 
     target, draft = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"

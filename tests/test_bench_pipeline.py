@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from edge_sdk.bench import pipeline as P
-from edge_sdk.bench import report
-from edge_sdk.bench.linkem import Profile
-from edge_sdk.bench.modes import MODES, ConcurrentMode, get_mode
-from edge_sdk.bench.runner import QUICK, BenchConfig, run_bench
-from edge_sdk.bench.workloads import Prompt
+from bench import pipeline as P
+from bench import report
+from bench.linkem import Profile
+from bench.modes import MODES, ConcurrentMode, get_mode
+from bench.runner import QUICK, BenchConfig, run_bench
+from bench.workloads import Prompt
 from tests.conftest import tiny_model, tiny_tokenizer
 
 CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent",
@@ -249,7 +249,7 @@ def test_quick_preset_includes_the_pipeline():
 def test_cli_concurrency_option():
     from click.testing import CliRunner
 
-    from edge_sdk.bench.cli import bench
+    from bench.cli import bench
 
     r = CliRunner().invoke(bench, ["--list-modes"])
     assert r.exit_code == 0
@@ -265,8 +265,8 @@ def test_cli_quick_config(monkeypatch):
     run itself is replaced: only the configuration is checked)."""
     from click.testing import CliRunner
 
-    from edge_sdk.bench import runner
-    from edge_sdk.bench.cli import bench
+    from bench import runner
+    from bench.cli import bench
 
     seen = []
 
@@ -298,8 +298,8 @@ def test_cli_quick_config(monkeypatch):
 def test_cli_concurrent_depth(monkeypatch):
     from click.testing import CliRunner
 
-    from edge_sdk.bench import runner
-    from edge_sdk.bench.cli import bench
+    from bench import runner
+    from bench.cli import bench
 
     seen = []
     monkeypatch.setattr(runner, "run_bench", lambda cfg, out_dir, progress=True, log=None:

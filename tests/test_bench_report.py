@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from edge_sdk.bench.report import (
+from bench.report import (
     SCALAR_METRICS,
     aggregate,
     compute_ratios,

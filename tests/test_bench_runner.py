@@ -15,12 +15,12 @@ import msgpack
 import pytest
 import torch
 
-from edge_sdk.bench import report
-from edge_sdk.bench.linkem import Profile
-from edge_sdk.bench.modes import (MODES, BenchMode, CloudStreamClient, breakdown, get_mode,
+from bench import report
+from bench.linkem import Profile
+from bench.modes import (MODES, BenchMode, CloudStreamClient, breakdown, get_mode,
                                   register_mode)
-from edge_sdk.bench.runner import BenchConfig, EdgeLoad, SlowdownDrafter, run_bench
-from edge_sdk.bench.workloads import Prompt
+from bench.runner import BenchConfig, EdgeLoad, SlowdownDrafter, run_bench
+from bench.workloads import Prompt
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.protocol.sampling import SamplingConfig
 from tests.conftest import tiny_model, tiny_tokenizer
@@ -265,7 +265,7 @@ def test_mode_registry_and_breakdown():
 def test_cli_list_modes_and_bad_mode():
     from click.testing import CliRunner
 
-    from edge_sdk.bench.cli import bench
+    from bench.cli import bench
 
     r = CliRunner().invoke(bench, ["--list-modes"])
     assert r.exit_code == 0 and "cloud-ar" in r.output and "specrelay" in r.output

@@ -244,7 +244,7 @@ def test_committed_default_draft_beats_truncated_baseline():
 
     if not draft_available("smollm2-135m-draft"):
         pytest.skip("default draft not committed")
-    folder = D._draft_folder("smollm2-135m-draft")
+    folder = D.draft_folder("smollm2-135m-draft")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tgt, tok = load_model("smollm2-135m")
     draft, _ = D.load_draft("smollm2-135m-draft", target=(tgt, tok))

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from edge_sdk.bench.linkem import (
+from bench.linkem import (
     PROFILES,
     LinkEmulator,
     LinkEmulatorThread,

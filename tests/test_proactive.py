@@ -83,11 +83,16 @@ def reference(svc, tok):
 def generate(svc, drafter, tok, delay_s=0.002, n=40, prompt=PROMPT, **kw):
     gen_kw = {k: kw.pop(k) for k in ("sampling", "seed") if k in kw}
 
+    trace: list[dict] = []
+
     async def main():
         async with EdgeClient("inproc://", drafter, tok, chat=False,
                               transport=SlowTransport(svc(), delay_s), **kw) as c:
-            return await c.generate(prompt_ids=prompt, max_new_tokens=n, **gen_kw)
-    return asyncio.run(main())
+            return await c.generate(prompt_ids=prompt, max_new_tokens=n,
+                                    on_round=trace.append, **gen_kw)
+    out = asyncio.run(main())
+    out.metrics["round_trace"] = trace      # the on_round records, for the assertions
+    return out
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -225,13 +230,14 @@ def ipdg_counts(n: int, cfg: SamplingConfig, roots: int):
                               support_k=V3, proactive="ipdg", proactive_roots=roots,
                               transport=SlowTransport(svc, 0.0)) as c:
             for seed in range(n):
+                trace: list[dict] = []
                 r = await c.generate(prompt_ids=PROMPT3, sampling=cfg, seed=seed,
-                                     max_new_tokens=4)
+                                     max_new_tokens=4, on_round=trace.append)
                 a, b, d = r.token_ids[:3]
                 counts[(a * V3 + b) * V3 + d] += 1
                 hits += r.metrics["proactive_hits"]
                 rounds += r.metrics["proactive_rounds"]
-                stepped += any(t["proactive_steps"] for t in r.metrics["round_trace"]
+                stepped += any(t["proactive_steps"] for t in trace
                                if t["proactive_steps"] is not None)
         return counts, hits, rounds, stepped
 
@@ -340,3 +346,13 @@ def test_send_ahead_stale_block_changes_nothing(target, tok):
 def test_send_ahead_needs_proactive(tok):
     with pytest.raises(ValueError, match="send_ahead"):
         EdgeClient("inproc://", None, tok, send_ahead=True)
+
+
+def test_on_round_hook_gets_one_record_per_round(svc, tok, close_draft):
+    """The round records reach the caller through ``on_round``; the SDK keeps none."""
+    out = generate(svc, TorchDrafter(close_draft), tok, n=20, proactive="ipdg")
+    trace = out.metrics.pop("round_trace")
+    assert "round_trace" not in out.metrics
+    assert [r["round"] for r in trace] == list(range(out.metrics["rounds"]))
+    assert [r["accepted"] for r in trace] == out.metrics["accepted_hist"]
+    assert all(0 <= r["t_send"] <= r["t_response"] for r in trace)

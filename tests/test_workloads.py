@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from edge_sdk.bench import workloads
-from edge_sdk.bench.workloads import Prompt, load_workload
+from bench import workloads
+from bench.workloads import Prompt, load_workload
 
 
 def test_mtbench_all_80_first_turns():

@@ -1,4 +1,4 @@
-"""Draft-depth control policies (SPEC §4, §6), separate from the drafting mechanism.
+"""Draft-depth control policies (RAPID; UCB-SpecStop), separate from the drafting mechanism.
 
 ``make_controller(name, **kw)`` builds one of:
 

@@ -1,4 +1,5 @@
-"""Closed-form round model for draft-depth selection (SPEC §1, §4, §6).
+"""Closed-form round model for draft-depth selection (Leviathan et al. 2023 §2.3;
+RAPID; UCB-SpecStop).
 
 With i.i.d. per-token acceptance ``alpha`` (Leviathan et al. 2023, §3.1), a block of
 depth L commits ``E[C_L] = 1 + sum_{j=1..L} alpha^j = (1 - alpha^{L+1}) / (1 - alpha)``
@@ -9,7 +10,7 @@ the token rate is ``R(L) = E[C_L] / (L * tau_d + D)``.
 ``E[C_L]`` is concave in L and the denominator affine, so R is quasi-concave: its
 super-level sets are intervals and the first L where ``R(L+1) <= R(L)`` is the global
 optimum. Comparing L=1 with L=2 gives the **critical delay** of UCB-SpecStop's
-ratio-type stopping analysis (SPEC §6):
+ratio-type stopping analysis (UCB-SpecStop):
 
     R(1) >= R(2)  <=>  D <= D* = tau_d * (1 + alpha - alpha^2) / alpha^2,
 
@@ -25,7 +26,7 @@ from typing import Callable, Sequence
 
 
 def expected_committed(alpha: float | Sequence[float], L: int) -> float:
-    """``E[C_L]`` tokens per block of depth ``L`` (SPEC §1).
+    """``E[C_L]`` tokens per block of depth ``L`` (Leviathan et al. 2023 §2.3).
 
     alpha: a per-token acceptance probability in [0, 1], or per-position probabilities
     ``alpha_1..alpha_L`` (then ``E[C_L] = 1 + sum_j prod_{k<=j} alpha_k``).

@@ -1,4 +1,4 @@
-"""Depth-control policy interface (SPEC §4, §6), separate from the drafting mechanism.
+"""Depth-control policy interface (RAPID; UCB-SpecStop), separate from the drafting mechanism.
 
 A :class:`DepthController` chooses the draft depth ``L`` of the next block *before* the
 round (:meth:`DepthController.next_depth`) and learns from what the round measured
@@ -10,10 +10,12 @@ Units: seconds for times, tokens for depths and counts.
 
 from __future__ import annotations
 
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
-L_MAX = 8   # SPEC §4: L in [1, L_max = 8] (also the verifier's default max block)
+L_MAX = MAX_DRAFT_TOKENS   # RAPID: the draft depth L in [1, L_max]
 
 
 @dataclass
@@ -21,7 +23,7 @@ class PlanContext:
     """What the caller knows before a round (argument of ``next_depth``).
 
     proactive: the block will be drafted while the previous one is still being verified
-        (IPDG/NPDG, SPEC §5); CAAC then caps L so drafting does not outlast the expected
+        (IPDG/NPDG, RAPID); CAAC then caps L so drafting does not outlast the expected
         response.
     max_depth: hard cap for this round (tokens left before ``max_new_tokens``, the
         server's max block); the caller clamps to it, controllers may use it.

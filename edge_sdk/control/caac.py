@@ -1,4 +1,4 @@
-"""CAAC — congestion-aware adaptive controller (RAPID; SPEC §4).
+"""CAAC — congestion-aware adaptive controller (RAPID).
 
 Chooses the next draft depth before each round from two paths:
 
@@ -17,7 +17,7 @@ Fusion: ``L = clamp(round(eta * B_hat), 1, L_max)``; when drafting proactively (
 ``L <= max(1, floor(T_resp / tau_f))`` so the proactive draft does not outlast the
 expected response (``T_resp``: EWMA of send->response seconds).
 
-**Model-based check** (SPEC §4, "beside it"): with the per-position acceptance
+**Model-based check**: with the per-position acceptance
 ``h_k = P(draft k accepted | drafts 1..k-1 accepted)`` estimated from the block outcomes
 (discounted counts; a position with too few trials inherits the estimate of the one
 before it, position 1 the pooled per-token ``alpha``) and the round model of
@@ -35,7 +35,7 @@ to the nearest near-optimal depth — the PID alone targets an acceptance level 
 ignores how expensive a round trip is. The model uses the *baseline* ``tau_s`` so a
 transient slowdown is handled by the gate alone (not counted twice).
 
-RAPID's constants are not public; defaults below are SPEC §4's starting points.
+RAPID's constants are not public; the defaults below are our starting points.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from edge_sdk.control.base import L_MAX, DepthController, PlanContext, RoundReco
 class CAACParams:
     """CAAC constants (EWMA weights are the weight of the *new* sample, per round).
 
-    l_max: 8 tokens (SPEC §4). l_init: 4 tokens, ``B_hat`` and the PID's bias before any
+    l_max: 8 tokens (RAPID). l_init: 4 tokens, ``B_hat`` and the PID's bias before any
         feedback (the SDK's default fixed depth).
     w_fast = 0.5: fast latency EWMA, reacts within ~2 rounds. w_slow = 0.05: baseline,
         ~20-round memory, so a step slowdown shows as ESR > 0 for ~tens of rounds and the

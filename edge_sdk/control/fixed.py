@@ -1,4 +1,4 @@
-"""Fixed draft depth: the classic speculative-decoding baseline (SPEC §4 "fixed depths")."""
+"""Fixed draft depth: the classic speculative-decoding baseline."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """transformers' "heuristic" assistant-token schedule (HF ``AssistedCandidateGenerator``,
 ``num_assistant_tokens_schedule="heuristic"``): +2 after a fully accepted block, -1
-otherwise; clamped to ``1..l_max`` here (SPEC §4 comparison baseline)."""
+otherwise; clamped to ``1..l_max`` here (a baseline beside RAPID's CAAC)."""
 
 from __future__ import annotations
 

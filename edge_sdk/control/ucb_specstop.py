@@ -1,4 +1,4 @@
-"""UCB-SpecStop — draft depth as a contextual bandit (SPEC §6; "UCB-SpecStop" seed).
+"""UCB-SpecStop — draft depth as a contextual bandit (UCB-SpecStop).
 
 Arms are depths ``1..L_max``; the context is a *delay bucket* (log-spaced bins of the
 expected send->response time); the reward of a round is its committed tokens per second
@@ -24,7 +24,7 @@ import math
 from edge_sdk.control import analytic
 from edge_sdk.control.base import L_MAX, DepthController, PlanContext, RoundRecord
 
-# 5 ms .. 320 ms, doubling: the spread of SPEC §8's RTTs plus verification time
+# 5 ms .. 320 ms, doubling: the spread of the benchmark profiles' RTTs plus verification time
 DEFAULT_EDGES_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 
 
@@ -97,7 +97,7 @@ class UCBSpecStop(DepthController):
 
     @staticmethod
     def prior_depth(alpha: float, tau_d: float, delay_s: float, l_max: int = L_MAX) -> int:
-        """The analytic optimum (SPEC §6): 1 below ``critical_delay(alpha, tau_d)``."""
+        """The analytic optimum (UCB-SpecStop): 1 below ``critical_delay(alpha, tau_d)``."""
         return analytic.optimal_depth(alpha, tau_d, delay_s, l_max)
 
     def state(self) -> dict:

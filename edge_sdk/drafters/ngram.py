@@ -4,7 +4,7 @@ earlier occurrence and propose the token that followed it.
 
 **One-hot q.** A lookup proposal is deterministic given the prefix, so its draft
 distribution is one-hot: ``q(d) = 1`` for the proposed token d. The speculative rule
-(SPEC §1) stays exact with no change on either side:
+(Leviathan et al. 2023 §2.3) stays exact with no change on either side:
 
 * accept d with probability ``min(1, p(d)/q(d)) = p(d)`` (the verifier tests ``u*1 <= p(d)``);
 * on rejection the residual ``max(0, p - q)`` is p with d removed (``p(d) - 1 <= 0``),

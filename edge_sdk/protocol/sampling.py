@@ -3,8 +3,9 @@
 One implementation, imported by the drafter (edge), the correction logic (edge) and the
 verifier (cloud). All functions are pure and batched over leading dimensions.
 
-Notation (SPEC §1): a block of depth ``g`` holds draft tokens ``d_1..d_g``; ``q_i`` is the
-draft distribution at position i and ``p_i`` the target's, both *after* the processors
+Notation (Leviathan et al. 2023 §2.3): a block of depth ``g`` holds draft tokens
+``d_1..d_g``; ``q_i`` is the draft distribution at position i and ``p_i`` the target's,
+both *after* the processors
 (repetition penalty, temperature, top-k, top-p). Probabilities are float64 throughout:
 the value ``q_i(d_i)`` sent on the wire is bit-for-bit the value the token was sampled
 from (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
@@ -93,7 +94,7 @@ def presence_mask(prefix: torch.Tensor, block: torch.Tensor, vocab: int) -> torc
         prefix: [n] confirmed token ids. block: [g] draft ids.
     Returns:
         bool [g+1, V]; row i = tokens in ``prefix + block[:i]`` (position i of the block
-        sees the drafts before it, SPEC §1).
+        sees the drafts before it, Leviathan et al. 2023 §2.3).
     """
     g = block.numel()
     mask = torch.zeros(g + 1, vocab, dtype=torch.bool)
@@ -218,7 +219,7 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 #: passes of different shapes (a 1-token decode, a 9-token verify block, a batch) may
 #: then pick different argmaxes. float32: 1e-4. bfloat16: 0.25 = two ulps for logits of
 #: magnitude 16-32 (spaced 0.125 apart); a 1-token and a k-token pass of the same prefix
-#: differ by up to 0.16 on Qwen2.5-Coder-1.5B (``python -m edge_sdk.bench.shape_invariance``).
+#: differ by up to 0.16 on Qwen2.5-Coder-1.5B (``python -m bench.shape_invariance``).
 #: float16: 0.03, two ulps at 16-32 (spaced 1/64), by the same rule, not measured.
 NEAR_TIE_GAP = {"float32": 1e-4, "float16": 0.03, "bfloat16": 0.25}
 

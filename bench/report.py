@@ -6,7 +6,7 @@
      "runs":   [{"mode": str, "profile": str, "workload": str, "metrics": {...}}],
      "ratios": [{"metric": str, "profile": str, "mode": str, "baseline": str, "value": float}]}
 
-``metrics`` (see :func:`aggregate`) holds the SPEC §7 names — ``acceptance_rate``,
+``metrics`` (see :func:`aggregate`) holds the shared metric names — ``acceptance_rate``,
 ``mean_accepted_length``, ``ttft_s``, ``tpot_s``, ``throughput_tok_s``,
 ``uplink_bytes_per_token``, ``downlink_bytes_per_token``, ``target_passes_per_token``,
 ``target_seconds_per_token``, ``wasted_draft_tokens``, ``proactive_hit_rate``,
@@ -90,7 +90,7 @@ SCALAR_METRICS = (
     "proactive_hit_rate",
     "tv_budget_spent",
 )
-"""SPEC §7 metrics that are a number (or ``null`` when not applicable)."""
+"""Shared metrics that are a number (or ``null`` when not applicable)."""
 
 CORRECTION_MODES = ("bounded", "proposal", "full")
 BREAKDOWN_PHASES = ("draft", "upload", "wait", "verify", "download")

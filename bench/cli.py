@@ -1,6 +1,6 @@
 """``specrelay bench``: the edge-cloud benchmark from the command line.
 
-Mounted by ``specrelay_cli`` (``from edge_sdk.bench.cli import bench``). Heavy imports
+Mounted by ``specrelay_cli`` (``from bench.cli import bench``). Heavy imports
 happen inside the command so ``specrelay --help`` stays fast.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 
 import click
+
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 
 _DEFAULTS = dict(modes="cloud-ar,standard-sd,specrelay",
                  profiles="strong,medium,weak,cellular-edge", workloads="mtbench,humaneval",
@@ -60,9 +62,9 @@ def _cpus(value: str | None) -> list[int] | None:
               help=f"Tokens generated per request [default: {_DEFAULTS['max_new_tokens']}].")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Prompt selection and per-request sampling seeds.")
-@click.option("--depth", type=click.IntRange(1, 8), default=6, show_default=True,
+@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
               help="Draft depth gamma for fixed-depth modes (tokens per block).")
-@click.option("--concurrent-depth", type=click.IntRange(1, 8), default=None,
+@click.option("--concurrent-depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None,
               help="Draft depth of the concurrent modes (default: --depth). The pipeline's "
               "best depth is lower than a single request's: the edge's one draft worker "
               "serves every request and the cloud batches the blocks.")
@@ -114,7 +116,7 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
     Writes OUT/results.json, OUT/summary.md (ratios against the baselines measured in the
     same run) and PNG plots.
     """
-    from edge_sdk.bench import modes as M
+    from bench import modes as M
 
     if list_modes:
         for name in M.mode_names():
@@ -123,7 +125,7 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
             click.echo(f"{name:14s} {tag}{'(baseline) ' if cls.baseline else ''}"
                        f"{cls.description}")
         return
-    from edge_sdk.bench.runner import QUICK, BenchConfig, run_bench
+    from bench.runner import QUICK, BenchConfig, run_bench
 
     preset = dict(_DEFAULTS)
     if quick:

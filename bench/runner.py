@@ -15,7 +15,7 @@ Layout (one machine, loopback)::
   the process pipe (``auth=False`` serves without authentication instead).
 * The **edge** (draft model, client, mode logic) runs in the bench process, pinned to
   the other CPU(s) for the duration of :func:`run_bench` (restored afterwards).
-* The **link emulator** (:class:`~edge_sdk.bench.linkem.LinkEmulatorThread`, one per
+* The **link emulator** (:class:`~bench.linkem.LinkEmulatorThread`, one per
   profile) proxies the SDK's real HTTP traffic between them.
 
 Edge contention: ``edge_slowdown=F, slowdown_at_s=T`` wraps the drafter in
@@ -47,13 +47,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from edge_sdk.bench import adaptive as A
-from edge_sdk.bench import pipeline as P
-from edge_sdk.bench import report
-from edge_sdk.bench.linkem import PROFILES, LinkEmulatorThread, Profile
-from edge_sdk.bench.modes import (BenchRequest, EdgeContext, RequestRecord, RunSetup,
+from bench import adaptive as A
+from bench import pipeline as P
+from bench import report
+from bench.linkem import PROFILES, LinkEmulatorThread, Profile
+from bench.modes import (BenchRequest, EdgeContext, RequestRecord, RunSetup,
                                   get_mode)
-from edge_sdk.bench.workloads import Prompt, load_workload
+from bench.workloads import Prompt, load_workload
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.metrics import classify_divergence
 
@@ -71,7 +71,7 @@ class BenchConfig:
     """What to measure. Times in seconds, lengths in tokens.
 
     Attributes:
-        modes: registered mode names (``edge_sdk.bench.modes.MODES``).
+        modes: registered mode names (``bench.modes.MODES``).
         profiles: profile names of ``linkem.PROFILES`` or :class:`Profile` objects.
         workloads: ``"mtbench"`` / ``"humaneval"``.
         sampling: variants from :data:`SAMPLING_PRESETS` (``"greedy"``, ``"sample"``).
@@ -168,7 +168,7 @@ def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
     """``compute_ratios`` specs: every non-baseline mode against every baseline mode of
     the run, for ``throughput_tok_s`` (higher is better) and, against ``standard-sd``,
     ``uplink_bytes_per_token`` (lower is better). Peer engines (``peer = True``,
-    :mod:`edge_sdk.bench.peers`) are not paired with our modes: each peer's speculative
+    :mod:`bench.peers`) are not paired with our modes: each peer's speculative
     mode gets one row against its own engine's target-only mode (``gain_baseline``), its
     *speculative gain* (e.g. ``llamacpp-spec`` / ``llamacpp-ar``, beside ``specrelay`` /
     ``cloud-ar``)."""
@@ -508,7 +508,7 @@ def _sampling(name: str):
 
 def _profile(p) -> Profile:
     """A profile by name; ``<name>+slow`` is that link under edge contention
-    (:mod:`edge_sdk.bench.adaptive`)."""
+    (:mod:`bench.adaptive`)."""
     if isinstance(p, Profile):
         return p
     base, slow = A.split_contention(p)
@@ -806,7 +806,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
                 f"{platform.python_version()}, torch {torch.__version__})",
     }
     if peer_names:
-        from edge_sdk.bench import peers
+        from bench import peers
 
         config["peer_greedy_agreement"] = peers.greedy_agreement(
             records_out, {_label(w, "greedy", cfg.sampling) for w in prompt_sets},
@@ -830,7 +830,7 @@ def write_outputs(results: dict, records: list[dict], out_dir: str | Path) -> li
         f.write(P.summary_md(results))
         if any(getattr(get_mode(m), "peer", False) for m in results["config"].get("modes", ())
                if _known_mode(m)):
-            from edge_sdk.bench import peers
+            from bench import peers
 
             f.write(peers.summary_md(results))
     paths += report.write_plots(results, out)
@@ -867,7 +867,7 @@ def _extra_summary(results: dict) -> str:
                      + " | ".join(ms(bd[p]) for p in report.BREAKDOWN_PHASES)
                      + f" | {ms(sum(bd.values()))} |")
     lines += ["", "## Bytes per committed token", "",
-              "Protocol = message bodies (SPEC §7 metrics); link = every byte the link "
+              "Protocol = message bodies (the shared metrics); link = every byte the link "
               "emulator carried (HTTP and signing headers included).", ""]
     lines += report.runs_table(results["runs"], [
         ("uplink_bytes_per_token", "protocol up", 1.0, "{:.1f}"),

@@ -2,7 +2,7 @@
 
 A mode turns one prompt into a completion through the real HTTP API (the link emulator
 sits in between) and returns a :class:`RequestRecord` whose ``metrics`` is the
-per-request dict that :func:`edge_sdk.bench.report.aggregate` consumes.
+per-request dict that :func:`bench.report.aggregate` consumes.
 
 Built-in modes:
 
@@ -15,16 +15,16 @@ Built-in modes:
 * ``specrelay`` — the compact AsymSpec protocol (``mode="asym"``): ``(token, q(token))``
   per position on the uplink, staged correction on the edge; fixed depth ``--depth``.
 
-Concurrent modes (issue #6; :class:`ConcurrentMode`, C = ``ctx.concurrency`` requests in
+Concurrent modes (:class:`ConcurrentMode`, C = ``ctx.concurrency`` requests in
 flight, one shared draft worker; reported under the profile label ``<profile>@c<C>``,
-see :mod:`edge_sdk.bench.pipeline`):
+see :mod:`bench.pipeline`):
 
 * ``pipeline`` — the confirmed-prefix pipeline: one client/scheduler, cloud re-batching.
 * ``no-pipeline``, ``runahead`` (NPDG), ``standard-sd-concurrent`` (baselines: requests
   run independently, no cross-request re-batching).
 * ``pipeline-standard`` — ablation: the pipeline with the full-q standard protocol.
 
-Peer engines (:mod:`edge_sdk.bench.peers`, registered on the first mode lookup, not on
+Peer engines (:mod:`bench.peers`, registered on the first mode lookup, not on
 import): ``llamacpp-ar``, ``llamacpp-spec`` (llama.cpp through ``xllamacpp``, the
 ``[bench]`` extra), ``hf-ar``, ``hf-assisted`` (transformers ``generate``), run on the
 cloud's CPUs with the cloud's thread count, without the link emulator.
@@ -63,7 +63,7 @@ from typing import Callable, ClassVar, Sequence
 import aiohttp
 import msgpack
 
-from edge_sdk.bench.linkem import Profile
+from bench.linkem import Profile
 from edge_sdk.protocol import wire
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.transport import MSGPACK, RemoteError, Transport
@@ -203,7 +203,7 @@ class RunSetup:
     """What :meth:`BenchMode.setup_run` gets once per bench run: the run's model sources
     (``target``; ``draft`` = the edge's draft source), the model ``dtype``, and the
     cloud's CPU ids and thread count (engines that stand in for the cloud, the peer
-    modes of :mod:`edge_sdk.bench.peers`, run on these)."""
+    modes of :mod:`bench.peers`, run on these)."""
 
     target: object
     draft: object
@@ -273,7 +273,7 @@ class BenchMode(ABC):
 MODES: dict[str, type[BenchMode]] = {}
 """Mode name → class. Fill with :func:`register_mode`."""
 
-PLUGIN_MODULES = ("edge_sdk.bench.peers",)
+PLUGIN_MODULES = ("bench.peers",)
 """Modules that register more modes, imported on first lookup (:func:`load_plugins`),
 not when ``edge_sdk`` or this module is imported."""
 _plugins_loaded = False
@@ -360,10 +360,11 @@ class _SpeculativeMode(BenchMode):
         c = self.ctx
         self.transport.calls.clear()
         meter = _LinkMeter(c)
+        trace: list[dict] = []
         res = await self.client.generate(prompt_ids=list(req.prompt_ids),
-                                         sampling=c.sampling,
+                                         sampling=c.sampling, on_round=trace.append,
                                          max_new_tokens=c.max_new_tokens, seed=req.seed)
-        m = dict(res.metrics)
+        m = dict(res.metrics, round_trace=trace)
         calls = self.transport.calls
         up, down = meter.delta(m["uplink_bytes"], m["downlink_bytes"])
         m.update(link_uplink_bytes=up, link_downlink_bytes=down, http_exchanges=len(calls),
@@ -545,12 +546,12 @@ class CloudStreamClient:
                 "finish_reason": finish, "metrics": m}
 
 
-# --------------------------------------------------------------------------- adaptive (issue #5)
+# --------------------------------------------------------------------------- adaptive
 
 
 class _AdaptiveMode(_SpeculativeMode):
-    """The compact protocol with a depth controller (SPEC §4, §6) and/or proactive
-    drafting (SPEC §5); compared by :mod:`edge_sdk.bench.adaptive` only (no generic
+    """The compact protocol with a depth controller (RAPID; UCB-SpecStop) and/or proactive
+    drafting (RAPID); compared by :mod:`bench.adaptive` only (no generic
     ratio rows)."""
 
     adaptive: ClassVar[bool] = True
@@ -588,10 +589,10 @@ ADAPTIVE_MODES = [
     _adaptive_mode("sr-ngram", "specrelay, prompt-lookup n-gram drafts, model where no "
                    "match", ngram=True),
 ]
-"""The issue-#5 modes: controllers, proactive drafting, fixed depths, n-gram."""
+"""The adaptive modes: controllers, proactive drafting, fixed depths, n-gram."""
 
 
-# --------------------------------------------------------------------------- concurrent (issue #6)
+# --------------------------------------------------------------------------- concurrent
 
 _REQUEST_CALLS: contextvars.ContextVar = contextvars.ContextVar("specrelay_bench_calls",
                                                                 default=None)
@@ -627,7 +628,7 @@ class ConcurrentMode(BenchMode):
     :meth:`run` keeps C *lanes* busy: each lane takes the next request as soon as its
     previous one finishes (a closed loop; the runner gives a cell whole waves of C
     requests). All draft compute of the run goes through ONE single-thread worker
-    (:class:`edge_sdk.bench.pipeline.BusyExecutor`: the edge core, its busy seconds give
+    (:class:`bench.pipeline.BusyExecutor`: the edge core, its busy seconds give
     the edge utilisation). Each request's metrics carry ``start_s``/``end_s`` (one clock)
     so ``report.aggregate`` computes throughput over the makespan.
 
@@ -664,7 +665,7 @@ class ConcurrentMode(BenchMode):
         raise NotImplementedError
 
     async def open(self) -> None:
-        from edge_sdk.bench.pipeline import BusyExecutor
+        from bench.pipeline import BusyExecutor
 
         self.worker = BusyExecutor()
         self.lanes = await self._make_lanes()
@@ -685,13 +686,14 @@ class ConcurrentMode(BenchMode):
         token = _REQUEST_CALLS.set(calls)
         try:
             t0 = time.perf_counter()
+            trace: list[dict] = []
             res = await lane.client.generate(prompt_ids=list(req.prompt_ids),
-                                             sampling=c.sampling,
+                                             sampling=c.sampling, on_round=trace.append,
                                              max_new_tokens=c.max_new_tokens, seed=req.seed)
             t1 = time.perf_counter()
         finally:
             _REQUEST_CALLS.reset(token)
-        m = dict(res.metrics)
+        m = dict(res.metrics, round_trace=trace)
         m.update(start_s=t0, end_s=t1, http_exchanges=len(calls),
                  prompt_tokens=len(req.prompt_ids))
         return RequestRecord(req, m, list(res.token_ids), res.text, res.finish_reason)
@@ -745,7 +747,7 @@ class ConcurrentMode(BenchMode):
 
 @register_mode
 class PipelineMode(ConcurrentMode):
-    """AsymSpec's confirmed-prefix pipeline (SPEC §3): C concurrent requests through ONE
+    """AsymSpec's confirmed-prefix pipeline (AsymSpec §IV-C): C concurrent requests through ONE
     :class:`edge_sdk.EdgeClient` — its :class:`~edge_sdk.scheduler.DraftScheduler`
     grants the single draft worker to *ready* requests (confirmed prefix, no open block;
     at most one open block per request, never a descendant of an unresolved block), so

@@ -112,7 +112,7 @@ PROFILES: dict[str, Profile] = {
     "weak": Profile("weak", 50 * _M, 150 * _M, 0.080),
     "cellular-edge": Profile("cellular-edge", 5 * _M, 20 * _M, 0.120, jitter_s=0.010, loss=0.005),
 }
-"""The benchmark profiles of SPEC §8 (bandwidths in bits/s, delays in seconds)."""
+"""The benchmark's network profiles (bandwidths in bits/s, delays in seconds)."""
 
 
 # --------------------------------------------------------------------------- parsing

@@ -1,8 +1,8 @@
 """Adaptive-drafting bench support: depth control and proactive drafting under edge
-contention (issue #5; SPEC §4-6; RAPID).
+contention (RAPID; UCB-SpecStop).
 
 The modes themselves (``caac``, ``fixed-1`` … ``fixed-8``, ``stop-and-wait``, ``ipdg``,
-``npdg``, ``rapid``, …) live in :mod:`edge_sdk.bench.modes`; this module holds what the
+``npdg``, ``rapid``, …) live in :mod:`bench.modes`; this module holds what the
 runner needs around them and imports nothing from the bench modes:
 
 * **contention variants** of a profile: ``medium+slow`` is the ``medium`` link with an
@@ -35,7 +35,7 @@ import math
 import statistics
 from typing import Sequence
 
-from edge_sdk.bench import report
+from bench import report
 
 __all__ = [
     "SLOW_SUFFIX", "DEFAULT_SLOWDOWN", "BEST_FIXED", "FIXED_MODES", "split_contention",
@@ -80,7 +80,7 @@ def best_fixed(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[s
 
 
 def adaptive_ratios(runs: Sequence[dict]) -> list[dict]:
-    """The issue-#5 ratio rows for every profile label where both sides ran (see the
+    """The adaptive ratio rows for every profile label where both sides ran (see the
     module docstring for the orientation). Workloads combine by geometric mean; pairs
     with a zero denominator (e.g. IPDG wasting nothing) are skipped."""
     idx, profiles, workloads = report.run_index(runs)

@@ -6,7 +6,7 @@ position t to be the same whether t is the single token of a decode pass or row 
 attention implementation, and the pass times, for the near-tie policy
 (``sampling.NEAR_TIE_GAP``) and for work on bit-exact bfloat16 verification::
 
-    python -m edge_sdk.bench.shape_invariance qwen2.5-coder-1.5b --attn eager,sdpa
+    python -m bench.shape_invariance qwen2.5-coder-1.5b --attn eager,sdpa
 
 Prints one JSON line per attention implementation.
 """
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--attn", default="eager,sdpa", help="attention implementations")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    from edge_sdk.bench.workloads import load_workload
+    from bench.workloads import load_workload
     from edge_sdk.models import encode_prompt, load_model
 
     torch.set_num_threads(args.threads)

@@ -1,8 +1,8 @@
 """Multi-request bench support: the confirmed-prefix pipeline and its baselines
-(issue #6; SPEC §3; AsymSpec §IV-C and §V).
+(AsymSpec §IV-C and §V).
 
 The concurrent modes themselves (``pipeline``, ``no-pipeline``, ``runahead``,
-``standard-sd-concurrent``) live in :mod:`edge_sdk.bench.modes`; this module holds what
+``standard-sd-concurrent``) live in :mod:`bench.modes`; this module holds what
 they and the runner share, and imports nothing from the bench modes:
 
 * operating-point labels: a concurrent run at concurrency C on profile P is reported
@@ -55,7 +55,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
-from edge_sdk.bench import report
+from bench import report
 
 __all__ = [
     "DEFAULT_CONCURRENCY", "CONCURRENT_BASELINES", "STRONGEST", "point_label", "split_point",
@@ -210,7 +210,7 @@ def concurrent_metrics(m: dict, per_request: Sequence[dict], *, concurrency: int
                  server_target_seconds=d["target_s"], server_batches=int(round(d["batches"])),
                  mean_batch_size=(d["batch_blocks"] / d["batches"]) if d["batches"] else None,
                  cloud_utilisation=d["target_s"] / span if span > 0 else None)
-        # the server's count: one batched pass serves several requests (SPEC §7)
+        # the server's count: one batched pass serves several requests
         m["target_passes_per_token"] = d["passes"] / n if n else None
         m["target_seconds_per_token"] = d["target_s"] / n if n else None
     if link_delta is not None:

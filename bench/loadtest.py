@@ -1,11 +1,11 @@
-"""Loopback load test of the signed verification API (issue #7; not a CI test).
+"""Loopback load test of the signed verification API (not a CI test).
 
 N concurrent signed sessions generate for a fixed duration against one server with rate
 limits on. Every greedy output is compared with the target-alone reference of its
 prompt (no lost or duplicated tokens), the process RSS is sampled (memory bounded) and
 client-side verify latencies give p50/p99.
 
-    python -m edge_sdk.bench.loadtest --duration 300 --concurrency 32
+    python -m bench.loadtest --duration 300 --concurrency 32
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main(duration, concurrency, target, draft, n_prompts, max_new_tokens, depth,
     from cloud_api.keys import SQLiteKeyStore
     from cloud_api.server import BackgroundServer
     from edge_sdk import EdgeClient
-    from edge_sdk.bench.workloads import load_workload
+    from bench.workloads import load_workload
     from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import encode_prompt, load_model
     from edge_sdk.protocol.signing import Signer

@@ -1,6 +1,6 @@
 """Peer engines in ``specrelay bench``: llama.cpp and transformers, measured in the same run.
 
-Registered bench modes (imported on the first :func:`edge_sdk.bench.modes.get_mode` /
+Registered bench modes (imported on the first :func:`bench.modes.get_mode` /
 ``mode_names`` lookup, never by ``import edge_sdk``):
 
 * ``llamacpp-ar`` (baseline) — llama.cpp, the target GGUF alone, greedy/sampled as the
@@ -28,7 +28,7 @@ thread count (llama.cpp ``n_threads`` for target and draft, torch threads for
 transformers); the threads llama.cpp / OpenMP start from it inherit its CPUs. Peers do
 not cross the link emulator: they measure a single box, so their numbers repeat in every
 profile up to noise. Models load once per bench run, on first use (the warm-up
-request), and are freed by :meth:`~edge_sdk.bench.modes.BenchMode.teardown_run`.
+request), and are freed by :meth:`~bench.modes.BenchMode.teardown_run`.
 
 Metrics: the report's per-request fields (``committed_tokens``, ``wall_s``, ``ttft_s``,
 ``decode_s``; transformers: ``token_times_s`` from its streamer; llama.cpp: TTFT and
@@ -40,7 +40,7 @@ draft forward counts. Run level (:meth:`_PeerMode.run_metrics`): ``engine_prompt
 and ``engine_eval_tok_s`` (llama.cpp's prompt / eval tokens per second over the cell),
 ``engine_config`` (engine, threads, CPUs, models, speculative settings). Speculative
 gain rows (``llamacpp-spec`` / ``llamacpp-ar``, ``hf-assisted`` / ``hf-ar``) come from
-:func:`edge_sdk.bench.runner.ratio_specs` (``gain_baseline``).
+:func:`bench.runner.ratio_specs` (``gain_baseline``).
 
 Install: ``pip install -c constraints.txt -e ".[bench]"`` (the ``xllamacpp`` wheel).
 """
@@ -60,7 +60,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-from edge_sdk.bench.modes import (BenchMode, BenchRequest, RequestRecord, RunSetup,
+from bench.modes import (BenchMode, BenchRequest, RequestRecord, RunSetup,
                                   register_mode)
 from edge_sdk.kvmodel import common_prefix
 
@@ -586,7 +586,7 @@ PEER_MODES = ("llamacpp-ar", "llamacpp-spec", "hf-ar", "hf-assisted")
 
 def gain_pairs() -> dict[str, str]:
     """``{speculative peer mode: its engine's target-only mode}``."""
-    from edge_sdk.bench.modes import MODES
+    from bench.modes import MODES
 
     return {n: c.gain_baseline for n, c in MODES.items()
             if getattr(c, "peer", False) and getattr(c, "gain_baseline", None)}
@@ -644,8 +644,8 @@ def summary_md(results: dict) -> str:
     """Markdown appended to summary.md: the peer runs with their engines' own timings,
     and the speculative gain of every engine (ours: our speculative modes / ``cloud-ar``;
     each peer: its speculative mode / its target-only mode) with absolute tok/s."""
-    from edge_sdk.bench import report
-    from edge_sdk.bench.modes import MODES
+    from bench import report
+    from bench.modes import MODES
 
     def is_peer(mode: str) -> bool:
         return bool(getattr(MODES.get(mode), "peer", False))

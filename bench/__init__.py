@@ -1,0 +1,1 @@
+"""Benchmark harness: link emulator, workloads, result reporting."""

@@ -1,1 +1,0 @@
-"""Benchmark harness: link emulator, workloads, result reporting (issue #4)."""
