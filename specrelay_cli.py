@@ -13,6 +13,7 @@ from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # no "Loading weights" bar
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
 #: which this module does not import at start-up to keep ``--help`` fast).
@@ -52,16 +53,28 @@ def make_drafter(spec: str):
 
 def sampling_options(f):
     opts = [
-        click.option("--temperature", type=float, default=0.0, show_default=True,
+        click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0,
+                     show_default=True,
                      help="0 = greedy (token-for-token identical to the target)."),
-        click.option("--top-k", type=int, default=0, show_default=True),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--max-new-tokens", type=int, default=96, show_default=True),
-        click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
-                     help="Draft depth gamma (tokens per block; 6 measured best for the "
-                     "default pair: a 7-token verify pass costs about a 1-token one)."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Keep the k most likely tokens (0: all)."),
+        click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True),
+                     default=1.0, show_default=True,
+                     help="Nucleus sampling: the smallest set with this probability mass."),
+        click.option("--repetition-penalty", type=click.FloatRange(min=0.0, min_open=True),
+                     default=1.0, show_default=True, help="1 = off."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed of the edge's and the cloud's draws (same seed, same "
+                     "output)."),
+        click.option("--max-new-tokens", type=click.IntRange(1, 8192), default=96,
+                     show_default=True, help="Tokens to generate (1..8192)."),
+        click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=5.0,
+                     show_default=True, help="Seconds to keep retrying an unreachable API "
+                     "before giving up."),
+        click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6,
+                     show_default=True, help="Draft depth (tokens per block; 6 measured "
+                     "best for the default pair: a 7-token verify pass costs about a "
+                     "1-token one)."),
         click.option("--controller", type=click.Choice(["fixed", "heuristic", "caac",
                                                        "ucb-specstop"]),
                      default="fixed", show_default=True,
@@ -74,8 +87,8 @@ def sampling_options(f):
                      help="Pipelined verification: send a proactive block before the "
                      "previous verdict (the cloud verifies it only if its assumed prefix "
                      "is confirmed). Needs --proactive ipdg|npdg."),
-        click.option("--proactive-roots", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=1,
-                     show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
+        click.option("--proactive-roots", type=click.IntRange(1, MAX_DRAFT_TOKENS),
+                     default=1, show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
         click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
                      "of the model draft."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
@@ -100,6 +113,56 @@ def _sampling(kw):
                           repetition_penalty=kw["repetition_penalty"])
 
 
+def check_url(url: str) -> None:
+    """Raises click.BadParameter unless ``url`` is an http(s) URL with a host."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise click.BadParameter(f"{url!r} is not an http:// or https:// URL",
+                                 param_hint="--url")
+
+
+def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
+    """``GET /healthz`` until it answers or ``wait_s`` seconds pass (at least one try,
+    5 s each). Raises click.ClickException with what to do: nothing listening, an
+    untrusted certificate (never retried), or something that is not the API."""
+    import ssl
+    import time
+
+    import aiohttp
+
+    ctx = ssl.create_default_context(cafile=ca_cert) if ca_cert else None
+
+    async def once():
+        conn = aiohttp.TCPConnector(ssl=ctx) if ctx else None
+        async with aiohttp.ClientSession(connector=conn,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as s:
+            async with s.get(url.rstrip("/") + "/healthz") as r:
+                return r.status
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            status = asyncio.run(once())
+            break
+        except aiohttp.ClientSSLError as e:
+            raise click.ClickException(
+                f"TLS handshake with {url} failed ({e.__class__.__name__}): pass the "
+                "server's CA certificate with --ca-cert") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            if time.monotonic() - t0 >= wait_s:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise click.ClickException(
+                    f"cannot reach {url}: is `specrelay serve` running there? ({reason}; "
+                    f"gave up after {time.monotonic() - t0:.0f} s, --offline-timeout "
+                    "waits longer)") from None
+            time.sleep(0.5)
+    if status != 200:
+        raise click.ClickException(f"{url}/healthz answered HTTP {status}: is this a "
+                                   "specrelay verification API?")
+
+
 async def _generate(url, drafter, tok, prompt, kw, signer, ca_cert=None):
     from edge_sdk import EdgeClient
     from edge_sdk.transport import Transport
@@ -121,7 +184,8 @@ async def _generate(url, drafter, tok, prompt, kw, signer, ca_cert=None):
                           proactive=kw.get("proactive", "off"),
                           proactive_roots=kw.get("proactive_roots", 1),
                           send_ahead=(kw.get("send_ahead", False)
-                                      and kw.get("proactive", "off") != "off")) as c:
+                                      and kw.get("proactive", "off") != "off"),
+                          offline_timeout_s=kw.get("offline_timeout", 300.0)) as c:
         return await c.generate(prompt, sampling=_sampling(kw), seed=kw["seed"],
                                 max_new_tokens=kw["max_new_tokens"], stop=kw["stop"],
                                 target_only=kw["target_only"])
@@ -177,57 +241,136 @@ EXTRA_OF_MODULE = {"onnxruntime": "edge", "onnx": "export", "onnxscript": "expor
 """Optional imports -> the pyproject extra that installs them."""
 
 
+def _one_line(e: BaseException) -> str | None:
+    """The one-line message for an error a user can act on; None: a bug (traceback)."""
+    from edge_sdk.client import CloudUnreachable
+    from edge_sdk.gguf_parts import PartsError
+    from edge_sdk.transport import RemoteError, TLSVerifyError
+
+    if isinstance(e, ModuleNotFoundError):
+        extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+        return None if extra is None else (
+            f"this command needs the [{extra}] extra (module {e.name!r} is missing): "
+            f"pip install -c constraints.txt -e \".[{extra}]\"")
+    if isinstance(e, (CloudUnreachable, TLSVerifyError, PartsError)):
+        return str(e)
+    if isinstance(e, RemoteError):
+        hint = {401: " (check --api-key / SPECRELAY_API_KEY)",
+                403: " (the key lacks a scope or its quota is spent)",
+                429: " (rate limited: retry later)"}.get(e.status, "")
+        return f"the API refused the request: {e}{hint}"
+    if isinstance(e, OSError) and getattr(e, "errno", None) in (98, 48):   # EADDRINUSE
+        return f"{e.strerror}: another server holds that port (choose --port)"
+    if isinstance(e, (ValueError, FileNotFoundError)):
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
 class _Group(click.Group):
-    """Turns a missing optional dependency into one line naming the extra to install."""
+    """Errors a user can act on end in one line (``Error: ...``, exit 1): a missing
+    optional dependency names its extra, an unreachable API says so. ``--debug`` shows
+    the traceback instead."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except ModuleNotFoundError as e:
-            extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
-            if extra is None:
+        except (click.ClickException, click.Abort, click.exceptions.Exit):
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to one line or re-raised
+            msg = None if ctx.params.get("debug") else _one_line(e)
+            if msg is None:
                 raise
-            raise click.ClickException(
-                f"this command needs the [{extra}] extra (module {e.name!r} is missing): "
-                f"pip install -c constraints.txt -e \".[{extra}]\"") from None
+            raise click.ClickException(msg) from None
 
 
 @click.group(cls=_Group)
-def main():
-    """specrelay: edge-cloud speculative decoding with the target model's exact output."""
+@click.version_option(package_name="specrelay", prog_name="specrelay")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line "
+              "errors.")
+def main(debug):
+    """specrelay: edge-cloud speculative decoding with the target model's exact output.
+
+    \b
+    Try:  specrelay demo                   (local server + default pair, prints the speed-up)
+          specrelay keys create --name app (an API key for a server)
+          specrelay serve                  (the verification API on :8000)
+          specrelay generate "Hello" --api-key sr_live_...
+    """
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raises click.ClickException when ``host:port`` cannot be bound (in use, or not an
+    address of this machine)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror} "
+                                   "(another server holds the port? choose --port)") from None
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--model", default=DEFAULT_TARGET, show_default=True,
               help="Target: preset, HF path, or file.gguf.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICE), default="auto", show_default=True,
               help=DTYPE_HELP)
-@click.option("--threads", type=int, default=None, help="torch threads for the target.")
-@click.option("--max-batch", default=8, show_default=True)
-@click.option("--max-wait-ms", default=0.0, show_default=True)
-@click.option("--keys-db", default=None, help="API key database (default: keys CLI's).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads for the target (default: torch's choice).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Most blocks (of different sessions) verified in one target pass.")
+@click.option("--max-wait-ms", type=click.FloatRange(min=0.0), default=0.0,
+              show_default=True, help="Milliseconds a pass waits for more blocks after "
+              "the first (0: verify at once with whatever has arrived).")
+@click.option("--db", "--keys-db", "keys_db", default=None,
+              help="API key store, as `specrelay keys --db` (default: $SPECRELAY_KEYS_DB, "
+              "else ~/.config/specrelay/keys.sqlite3).")
 @click.option("--insecure-no-auth", is_flag=True,
               help="Serve WITHOUT request signing (local development only).")
-@click.option("--tls-cert", type=click.Path(exists=True), default=None)
-@click.option("--tls-key", type=click.Path(exists=True), default=None)
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM certificate (chain): serve https.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM private key of --tls-cert.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
           insecure_no_auth, tls_cert, tls_key):
-    """Serve the signed verification API for a target model."""
+    """Serve the signed verification API for a target model.
+
+    \b
+    Examples:
+      specrelay keys create --name robot-7 && specrelay serve
+      specrelay serve --host 0.0.0.0 --tls-cert cert.pem --tls-key key.pem
+      specrelay serve --model smollm2-135m --insecure-no-auth   (local development)
+
+    /healthz and /metrics (Prometheus) answer without a signature; put the port behind
+    a firewall or proxy where the metrics must stay private.
+    """
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    _check_port_free(host, port)                  # before minutes of model loading
     from aiohttp import web
 
     from cloud_api.app import create_app
-    from edge_sdk.models import load_model
+    from edge_sdk.models import load_model, resolve_dtype
 
-    store = None
+    store, auth = None, "NONE (--insecure-no-auth: requests are not authenticated)"
     if not insecure_no_auth:
         from cloud_api.keys import SQLiteKeyStore
-        from cloud_api.keys_cli import DEFAULT_DB
+        from cloud_api.keys_cli import db_path
 
-        store = SQLiteKeyStore(keys_db or os.environ.get("SPECRELAY_KEYS_DB") or DEFAULT_DB)
-    else:
-        click.echo("WARNING: --insecure-no-auth: requests are not authenticated", err=True)
+        path = db_path(keys_db)
+        new = not os.path.exists(path)
+        store = SQLiteKeyStore(path)
+        n = len(store.list(include_revoked=False))
+        auth = f"signed requests, key store {path} ({n} active keys)"
+        if n == 0:
+            click.echo(f"WARNING: {'new' if new else 'the'} key store {path} has no active "
+                       "keys, every request will be refused: create one with `specrelay "
+                       f"keys create --name NAME --db {path}`", err=True)
     ssl_ctx = None
     if tls_cert:
         import ssl
@@ -240,9 +383,12 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    scheme = "https" if ssl_ctx else "http"
+    click.echo(f"serving {model} ({resolve_dtype(dtype)}) on {scheme}://{host}:{port}; "
+               f"auth: {auth}", err=True)
     # our structured access log replaces aiohttp's (which would log user agents etc.)
     web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30,
-                access_log=None)
+                access_log=None, print=None)
 
 
 @main.command()
@@ -259,15 +405,26 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
               help="CA certificate to trust for an https:// server.")
 @sampling_options
 def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
-    """Generate against a running verification API."""
+    """Generate against a running verification API.
+
+    \b
+    Examples:
+      specrelay generate "Write a haiku about robots" --api-key sr_live_...
+      specrelay generate "Hi" --url https://api.example.com --ca-cert ca.pem
+      specrelay generate "Hi" --temperature 0.7 --top-p 0.9 --seed 3 --json
+    """
     from edge_sdk.models import load_tokenizer
     from edge_sdk.protocol.signing import Signer
 
+    if not prompt.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
+    check_url(url)
+    _sampling(kw)                                    # refuse bad values before any load
     signer = Signer.from_api_key(api_key) if api_key else None
-    drafter, tok = make_drafter(draft or default_draft(tokenizer))
+    probe_api(url, ca_cert, kw["offline_timeout"])   # fail fast, before loading models
+    drafter, tok = (None, None) if kw["target_only"] else make_drafter(
+        draft or default_draft(tokenizer))
     tok = tok or load_tokenizer(tokenizer)
-    if kw["target_only"]:
-        drafter = None
     res = asyncio.run(_generate(url, drafter, tok, prompt, kw, signer, ca_cert))
     _print_result(res, kw["as_json"], "target only" if kw["target_only"] else "speculative")
 

@@ -12,7 +12,7 @@ import click
 
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 
-_DEFAULTS = dict(modes="cloud-ar,standard-sd,specrelay",
+_DEFAULTS = dict(modes="cloud-ar,standard-sd,specrelay,sr-ahead",
                  profiles="strong,medium,weak,cellular-edge", workloads="mtbench,humaneval",
                  sampling="greedy,sample", prompts=5, max_new_tokens=64)
 

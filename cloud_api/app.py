@@ -194,7 +194,15 @@ async def create_session(request: web.Request) -> web.Response:
     return _reply(request, await svc.create(body, _owner(request)), 201)
 
 
+def _msgpack_body(request: web.Request) -> None:
+    """Raises ApiError 415 unless the body is declared msgpack (or left untyped)."""
+    if request.content_type not in (MSGPACK, "application/octet-stream"):
+        raise ApiError(415, "unsupported_media_type", f"the body must be msgpack "
+                       f"({MSGPACK}), not {request.content_type}", "content-type")
+
+
 async def verify(request: web.Request) -> web.Response:
+    _msgpack_body(request)
     svc: CloudService = request.app[SERVICE]
     limiter, key = request.get("ratelimiter"), request.get("api_key")
     charge = None
@@ -206,6 +214,7 @@ async def verify(request: web.Request) -> web.Response:
 
 
 async def correction(request: web.Request) -> web.Response:
+    _msgpack_body(request)
     svc: CloudService = request.app[SERVICE]
     out = await svc.correction(request.match_info["sid"], await request.read(),
                                _owner(request))

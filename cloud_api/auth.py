@@ -119,6 +119,8 @@ def auth_middleware(store: KeyStore, *, skew_s: float = 300, nonce_ttl_s: float 
             return await handler(request)
         h = request.headers
         if any(n not in h for n in headers_needed):
+            if request.match_info.http_exception is not None:
+                return await handler(request)   # no such route / method: 404 / 405
             return deny("missing_credentials", "request is not signed")
         key_id, nonce, digest = h[sg.H_KEY], h[sg.H_NONCE], h[sg.H_DIGEST]
         try:

@@ -20,13 +20,34 @@ from cloud_api.keys import SCOPES, KeyNotFound, SQLiteKeyStore
 DEFAULT_DB = os.path.join("~", ".config", "specrelay", "keys.sqlite3")
 
 
-def _fmt_ts(ts: float | None) -> str:
-    return "-" if ts is None else _dt.datetime.fromtimestamp(ts, _dt.timezone.utc) \
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else _dt.datetime.fromtimestamp(ts, _dt.timezone.utc) \
         .strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _fmt_ts(ts: float | None) -> str:
+    return _iso(ts) or "-"
+
+
+def db_path(db: str | None = None) -> str:
+    """The key store file: ``db``, else ``$SPECRELAY_KEYS_DB``, else the default."""
+    return os.path.expanduser(db or os.environ.get("SPECRELAY_KEYS_DB") or DEFAULT_DB)
 
 
 def _store(ctx: click.Context) -> SQLiteKeyStore:
     return ctx.obj["store_factory"]()
+
+
+def _db_option(fn):
+    """``--db`` on a subcommand too (``keys create --db X`` = ``keys --db X create``)."""
+    def use(ctx, _param, value):
+        if value is not None:
+            path = os.path.expanduser(value)
+            ctx.ensure_object(dict).update(path=path,
+                                           store_factory=lambda: SQLiteKeyStore(path))
+        return value
+    return click.option("--db", "db_override", default=None, expose_value=False,
+                        callback=use, help="Key store SQLite file (as `keys --db`).")(fn)
 
 
 def _show_new(rec, raw: str) -> None:
@@ -40,9 +61,16 @@ def _show_new(rec, raw: str) -> None:
               show_default=True, help="Key store SQLite file.")
 @click.pass_context
 def keys(ctx: click.Context, db: str) -> None:
-    """Manage API keys."""
+    """Manage API keys (stored hashed in a SQLite file; `serve --db` reads the same).
+
+    \b
+    Examples:
+      specrelay keys create --name robot-7          (prints the key once)
+      specrelay keys list
+      specrelay keys revoke KEY_ID
+    """
     path = os.path.expanduser(db)
-    ctx.ensure_object(dict)["store_factory"] = lambda: SQLiteKeyStore(path)
+    ctx.ensure_object(dict).update(path=path, store_factory=lambda: SQLiteKeyStore(path))
 
 
 @keys.command("create")
@@ -57,29 +85,42 @@ def keys(ctx: click.Context, db: str) -> None:
               help="Total verified tokens (default unlimited).")
 @click.option("--ed25519-public-key", "pub", type=click.Path(exists=True, dir_okay=False),
               default=None, help="PEM file; the key must then sign with Ed25519.")
+@click.option("--allow-duplicate-name", is_flag=True,
+              help="Create even if an active key already has this name.")
+@_db_option
 @click.pass_context
-def create(ctx, name, scopes, rpm, tpm, quota, pub):
+def create(ctx, name, scopes, rpm, tpm, quota, pub, allow_duplicate_name):
     """Create a key and print it once."""
     scope_set = [s.strip() for s in scopes.split(",") if s.strip()]
     pem = pathlib.Path(pub).read_bytes() if pub else None
+    store = _store(ctx)
+    same = [k.key_id for k in store.list(include_revoked=False) if k.name == name]
+    if same and not allow_duplicate_name:
+        raise click.BadParameter(f"an active key is already named {name!r} ({same[0]}): "
+                                 "pick another name, `keys rotate` it, or pass "
+                                 "--allow-duplicate-name", param_hint="--name")
     try:
-        rec, raw = _store(ctx).create(name, scope_set, rpm=rpm, tpm=tpm, quota=quota,
-                                      ed25519_public_key=pem)
+        rec, raw = store.create(name, scope_set, rpm=rpm, tpm=tpm, quota=quota,
+                                ed25519_public_key=pem)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     _show_new(rec, raw)
+    click.echo(f"key store: {ctx.obj['path']}", err=True)
 
 
 @keys.command("list")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines output.")
 @click.option("--active", is_flag=True, help="Hide revoked keys.")
+@_db_option
 @click.pass_context
 def list_(ctx, as_json, active):
     """List keys (no secrets)."""
+    if not as_json:
+        click.echo(f"{'KEY_ID':12}  {'STATUS':7}  {'SCOPES':12}  LIMITS  CREATED  NAME")
     for k in _store(ctx).list(include_revoked=not active):
         row = {"key_id": k.key_id, "name": k.name, "scopes": sorted(k.scopes),
                "rpm": k.rpm, "tpm": k.tpm, "quota": k.quota, "used_tokens": k.used_tokens,
-               "created_at": _fmt_ts(k.created_at), "revoked_at": _fmt_ts(k.revoked_at),
+               "created_at": _iso(k.created_at), "revoked_at": _iso(k.revoked_at),
                "ed25519": k.ed25519_public_key is not None, "rotated_from": k.rotated_from}
         if as_json:
             click.echo(json.dumps(row))
@@ -101,6 +142,7 @@ def _with_key(fn):
 
 @keys.command("revoke")
 @click.argument("key_id")
+@_db_option
 @click.pass_context
 def revoke(ctx, key_id):
     """Revoke KEY_ID (takes effect on the next request)."""
@@ -110,6 +152,7 @@ def revoke(ctx, key_id):
 
 @keys.command("rotate")
 @click.argument("key_id")
+@_db_option
 @click.pass_context
 def rotate(ctx, key_id):
     """Create a replacement for KEY_ID; the old key works until revoked."""
@@ -121,6 +164,7 @@ def rotate(ctx, key_id):
 @keys.command("set-ed25519")
 @click.argument("key_id")
 @click.argument("pem_path", type=click.Path(exists=True, dir_okay=False))
+@_db_option
 @click.pass_context
 def set_ed25519(ctx, key_id, pem_path):
     """Register an Ed25519 public key (PEM) for KEY_ID; HMAC is then refused."""

@@ -14,6 +14,8 @@ from aiohttp import web
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
+from cloud_api.context import SERVICE
+
 METRICS = web.AppKey("metrics", object)
 access_log = logging.getLogger("specrelay.access")
 
@@ -113,5 +115,10 @@ def metrics_middleware(m: ApiMetrics):
 
 async def metrics_handler(request: web.Request) -> web.Response:
     m: ApiMetrics = request.app[METRICS]
+    svc = request.app.get(SERVICE)
+    if svc is not None:               # gauges follow deletes, expiry and evictions
+        svc.sessions.expire()
+        m.sessions.set(len(svc.sessions))
+        m.evictions.set(svc.sessions.evictions)
     return web.Response(body=generate_latest(m.registry),
                         headers={"content-type": CONTENT_TYPE_LATEST})

@@ -135,6 +135,9 @@ class EdgeClient:
             (TokenEvent, GenerationResult.verified, the OpenAI endpoint), probing the
             cloud every ``probe_interval_s`` seconds; once it answers the request
             resumes from its full prefix (nothing lost or repeated) under verification.
+        ssl_context: TLS context trusting the server's CA for ``https://`` (when no
+            ``transport`` is given). A certificate error is raised at once
+            (``edge_sdk.transport.TLSVerifyError``), never waited out.
     """
 
     def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = 4,
@@ -145,7 +148,8 @@ class EdgeClient:
                  controller_kw: dict | None = None, proactive: str = "off",
                  proactive_roots: int = 1, send_ahead: bool = False,
                  on_cloud_loss: str = "wait",
-                 offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0):
+                 offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
+                 ssl_context=None):
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
         if correction not in C.MODES:
@@ -168,7 +172,8 @@ class EdgeClient:
         self.drafter, self.tokenizer = drafter, tokenizer
         self.depth, self.mode, self.eps_req, self.correction = depth, mode, eps_req, correction
         self.support_k, self.n_proposals, self.chat = support_k, n_proposals, chat
-        self.transport = transport or Transport(base_url, signer=signer)
+        self.transport = transport or Transport(base_url, signer=signer,
+                                                ssl_context=ssl_context)
         self.scheduler = scheduler or DraftScheduler()
         self._own_scheduler = scheduler is None
         self._drafter_in_use = False
@@ -603,8 +608,7 @@ class Generation:
                 if c.on_cloud_loss == "draft_only":
                     return None
                 if time.monotonic() + delay > deadline:
-                    raise CloudUnreachable(
-                        f"verification API unreachable for {c.offline_timeout_s:.0f} s")
+                    raise self._lost()
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
 
@@ -618,10 +622,16 @@ class Generation:
                 return await fn()
             except UNREACHABLE:
                 if time.monotonic() + delay > deadline:
-                    raise CloudUnreachable("verification API unreachable for "
-                                           f"{self.c.offline_timeout_s:.0f} s") from None
+                    raise self._lost() from None
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
+
+    def _lost(self) -> CloudUnreachable:
+        t = self.c.offline_timeout_s
+        return CloudUnreachable(
+            f"cannot reach the verification API at {self.c.transport.base_url} (gave up "
+            f"after {t:.0f} s: is it running? offline_timeout_s / --offline-timeout "
+            "waits longer)")
 
     async def _offline_round(self, tokens: list[int]) -> list[int]:
         """Draft-only: probe the cloud (re-create the session from the full prefix) at

@@ -477,7 +477,31 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """``GET /health``: 200 ``ok`` when the cloud answers and accepts this server's key,
+    else 503 ``degraded`` with the reason (``cloud.reachable``, ``cloud.key``)."""
+    import asyncio
+
+    import aiohttp
+
+    from edge_sdk.transport import TLSVerifyError
+
+    t = request.app[CLIENT].transport
+    cloud = {"url": t.base_url, "reachable": False, "key": "unknown"}
+    try:
+        await asyncio.wait_for(t.request("GET", "/healthz"), 5.0)
+        cloud["reachable"] = True
+        try:         # a signed no-op: an unknown session is 404 once the key is accepted
+            await asyncio.wait_for(t.request("GET", "/v1/sessions/0"), 5.0)
+        except RemoteError as e:
+            cloud["key"] = ("accepted" if e.status == 404 else
+                            f"refused ({e.status} {e.code})")
+    except RemoteError as e:
+        cloud["error"] = f"/healthz answered {e.status}"
+    except (TLSVerifyError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        cloud["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    ok = cloud["reachable"] and cloud["key"] == "accepted"
+    return web.json_response({"status": "ok" if ok else "degraded", "cloud": cloud},
+                             status=200 if ok else 503)
 
 
 @web.middleware
@@ -565,12 +589,19 @@ if click is not None:
     @click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
                   help="Send a proactive block before the previous verdict (pipelined "
                        "verification; needs --proactive ipdg|npdg).")
+    @click.option("--ca-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+                  help="CA certificate to trust for an https:// cloud URL.")
+    @click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=10.0,
+                  show_default=True, help="Seconds a request waits for an unreachable "
+                  "cloud before it is answered 503 (with --on-cloud-loss wait).")
     def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_tokens,
-                   on_cloud_loss, proactive, send_ahead):
+                   on_cloud_loss, proactive, send_ahead, ca_cert, offline_timeout):
         """Serve an OpenAI-compatible API on the edge (draft here, verify in the cloud).
 
         Point an OpenAI client at http://HOST:PORT/v1 (any api_key)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import ssl
+
         from edge_sdk.drafters.runtime import build_drafter
         from edge_sdk.protocol.signing import Signer
 
@@ -588,7 +619,10 @@ if click is not None:
         app = create_edge_app(url, drafter, tok, signer=signer, depth=depth,
                               model_name=model_name, default_max_tokens=default_max_tokens,
                               on_cloud_loss=on_cloud_loss, proactive=proactive,
-                              send_ahead=send_ahead and proactive != "off")
+                              send_ahead=send_ahead and proactive != "off",
+                              offline_timeout_s=offline_timeout,
+                              ssl_context=(ssl.create_default_context(cafile=ca_cert)
+                                           if ca_cert else None))
         click.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 "
                    f"(draft {draft}, cloud {url})", err=True)
         web.run_app(app, host=host, port=port, print=None)

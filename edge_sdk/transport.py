@@ -27,6 +27,11 @@ class RemoteError(Exception):
                          + (f" (field {self.field})" if self.field else ""))
 
 
+class TLSVerifyError(Exception):
+    """The TLS handshake failed (an untrusted or mismatched certificate). Never
+    retried: waiting does not make a certificate trusted."""
+
+
 class Transport:
     """Signed, retrying HTTP client.
 
@@ -65,7 +70,14 @@ class Transport:
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       content_type: str = MSGPACK) -> tuple[bytes, str]:
-        """Send one request; returns (body bytes, content type). Raises RemoteError."""
+        """Send one request; returns (body bytes, content type).
+
+        Raises:
+            RemoteError: a 4xx/5xx answer (after retries for 429, 502-504).
+            TLSVerifyError: the server's certificate is not trusted (not retried).
+            aiohttp.ClientConnectionError, asyncio.TimeoutError: unreachable after
+                ``retries`` attempts.
+        """
         http = await self._http()
         for attempt in range(self.retries + 1):
             headers = {"content-type": content_type} if body else {}
@@ -87,8 +99,18 @@ class Transport:
                     except ValueError:
                         parsed = None
                     raise RemoteError(r.status, parsed, data[:200].decode("utf8", "replace"))
+            except aiohttp.ClientSSLError as e:
+                raise TLSVerifyError(
+                    f"TLS handshake with {self.base_url} failed ({_reason(e)}): trust the "
+                    "server's CA certificate (CLI --ca-cert, SDK ssl_context=)") from None
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
                 if attempt >= self.retries:
                     raise
                 await asyncio.sleep(self._delay(attempt, None))
         raise AssertionError("unreachable")
+
+
+def _reason(e: BaseException) -> str:
+    """The root cause of a connector error, in one line."""
+    inner = getattr(e, "certificate_error", None) or getattr(e, "os_error", None) or e
+    return str(getattr(inner, "reason", None) or inner).splitlines()[0]

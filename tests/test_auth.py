@@ -204,3 +204,12 @@ def test_config_and_canonical_guards():
     with pytest.raises(ValueError):
         sg.canonical_target("https://evil.example/v1/echo")
     assert json.loads(json.dumps(Signer("A" * 12, hmac_key=b"k" * 32).headers("GET", "/")))
+
+
+@pytest.mark.asyncio
+async def test_unsigned_unknown_route_is_404_not_401(client, env):
+    assert (await client.get("/nope")).status == 404
+    assert (await client.delete("/admin/echo")).status == 405    # the route, another method
+    assert (await client.post("/v1/echo", data=BODY)).status == 401    # a route: unsigned
+    h = env["hmac"].headers("POST", "/v1/echo", BODY)          # signed: checked as before
+    assert (await send(client, "POST", "/v1/nope", BODY, h))[0] == 401

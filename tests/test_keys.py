@@ -195,3 +195,25 @@ def test_cli_create_list_rotate_revoke(tmp_path, monkeypatch):
     r = runner.invoke(keys, ["set-ed25519", new.key_id, str(pem_path)])
     assert r.exit_code == 0, r.output
     assert s.get_by_lookup(new.key_id).ed25519_public_key is not None
+
+
+def test_cli_db_on_subcommands_duplicates_and_nulls(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECRELAY_KEYS_DB", raising=False)
+    db = str(tmp_path / "sub.sqlite3")
+    runner = CliRunner()
+    r = runner.invoke(keys, ["create", "--name", "app1", "--db", db])   # --db after create
+    assert r.exit_code == 0, r.output
+    assert f"key store: {db}" in r.output
+    r = runner.invoke(keys, ["create", "--name", "app1", "--db", db])
+    assert r.exit_code == 2 and "already named 'app1'" in r.output
+    r = runner.invoke(keys, ["create", "--name", "app1", "--db", db, "--allow-duplicate-name"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(keys, ["list", "--json", "--db", db])
+    rows = [json.loads(line) for line in r.output.splitlines()]
+    assert len(rows) == 2 and rows[0]["revoked_at"] is None and rows[0]["created_at"]
+    r = runner.invoke(keys, ["list", "--db", db])
+    assert r.output.splitlines()[0].startswith("KEY_ID")
+    r = runner.invoke(keys, ["revoke", rows[0]["key_id"], "--db", db])
+    assert r.exit_code == 0
+    r = runner.invoke(keys, ["list", "--json", "--db", db])
+    assert json.loads(r.output.splitlines()[0])["revoked_at"].endswith("Z")

@@ -1,4 +1,4 @@
-"""Prometheus /metrics: request counts, SPEC §7 counters, batch sizes, sessions."""
+"""Prometheus /metrics: request counts, the shared counters, batch sizes, sessions."""
 
 import asyncio
 
@@ -34,6 +34,7 @@ def test_metrics_count_what_the_client_saw(server, tok, draft):
     assert _value(text, "specrelay_requests_total",
                   'endpoint="POST /v1/sessions/{sid}/verify",status="200"') == m["rounds"]
     assert _value(text, "specrelay_body_bytes_total", 'direction="in"') >= m["uplink_bytes"]
+    assert _value(text, "specrelay_sessions") == 0.0     # the client deleted its session
 
 
 def test_classify_divergence_follows_the_near_tie_policy():

@@ -243,3 +243,26 @@ def test_real_smollm2_chat_via_openai_client():
             chunks = list(client.chat.completions.create(
                 model="smollm2", messages=msgs, temperature=0, max_tokens=16, stream=True))
             assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+
+
+def test_health_reports_cloud_reachability_and_key(stack, target, draft, tok):
+    import requests
+
+    r = requests.get(stack[2][:-3] + "/health", timeout=30)
+    assert r.status_code == 200 and r.json()["cloud"] == {
+        "url": stack[0], "reachable": True, "key": "accepted"}
+    bad = Signer.from_api_key(sg_format_unknown_key())
+    app = create_edge_app(stack[0], TorchDrafter(draft), tok, signer=bad, depth=3)
+    with BackgroundServer(app) as edge:
+        r = requests.get(edge.url + "/health", timeout=30)
+        assert r.status_code == 503 and r.json()["cloud"]["key"].startswith("refused (401")
+    dead = create_edge_app("http://127.0.0.1:9", TorchDrafter(draft), tok, depth=3)
+    with BackgroundServer(dead) as edge:
+        r = requests.get(edge.url + "/health", timeout=30)
+        assert r.status_code == 503 and r.json()["cloud"]["reachable"] is False
+
+
+def sg_format_unknown_key() -> str:
+    from edge_sdk.protocol import signing as sg
+
+    return sg.format_api_key("ZZZZZZZZZZZZ", "a" * 32)

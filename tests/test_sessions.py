@@ -70,3 +70,20 @@ def test_per_key_session_limit(tok, target):
         codes = asyncio.run(main())
     assert codes[:2] == [(201, None), (201, None)]
     assert codes[2] == (429, "too_many_sessions")
+
+
+def test_unknown_route_and_wrong_content_type_over_http(target, tok):
+    """The real app: an unsigned unknown route is a JSON 404 (not 401), a verify body
+    declared as text is 415 naming content-type."""
+    import requests
+
+    from cloud_api.server import BackgroundServer
+
+    with BackgroundServer(create_app(target, tok)) as srv:
+        r = requests.get(srv.url + "/nope", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        sid = requests.post(srv.url + "/v1/sessions", json={"prompt_ids": [4, 5, 6]},
+                            timeout=10).json()["session_id"]
+        r = requests.post(f"{srv.url}/v1/sessions/{sid}/verify", data=b"\x90",
+                          headers={"content-type": "text/plain"}, timeout=10)
+        assert r.status_code == 415 and r.json()["error"]["field"] == "content-type"

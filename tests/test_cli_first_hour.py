@@ -1,0 +1,170 @@
+"""A new user's first hour with the CLI: unreachable or untrusted servers and bad values
+fail fast with one line (no traceback, no model load), and the options exist."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+
+import click
+from click.testing import CliRunner
+
+import specrelay_cli
+from cloud_api.app import create_app
+from cloud_api.server import BackgroundServer
+from tests.test_tls import _self_signed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(*args):
+    t0 = time.monotonic()
+    r = CliRunner().invoke(specrelay_cli.main, list(args))
+    return r, time.monotonic() - t0
+
+
+def one_line_error(r) -> str:
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+    assert len(lines) == 1 or lines[0].startswith("Usage:"), r.output
+    return lines[-1]
+
+
+def test_unreachable_api_fails_within_seconds_with_the_hint():
+    url = f"http://127.0.0.1:{_free_port()}"
+    r, dt = run("generate", "Hi", "--url", url)        # default --offline-timeout 5 s
+    msg = one_line_error(r)
+    assert r.exit_code == 1 and dt < 8.0
+    assert msg.startswith("Error: cannot reach " + url) and "specrelay serve" in msg
+    r, dt = run("generate", "Hi", "--url", url, "--offline-timeout", "0")
+    assert r.exit_code == 1 and dt < 2.0
+
+
+def test_untrusted_certificate_is_named_and_not_retried(tmp_path, target, tok):
+    cert, key = _self_signed(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    with BackgroundServer(create_app(target, tok), ssl_context=ctx) as srv:
+        r, dt = run("generate", "Hi", "--url", srv.url, "--offline-timeout", "30")
+        assert "--ca-cert" in one_line_error(r) and dt < 5.0   # not waited out
+
+
+def test_sdk_raises_certificate_errors_at_once(tmp_path, target, draft, tok):
+    import asyncio
+
+    import pytest
+
+    from edge_sdk import EdgeClient
+    from edge_sdk.drafters.torch import TorchDrafter
+    from edge_sdk.transport import TLSVerifyError
+
+    cert, key = _self_signed(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    with BackgroundServer(create_app(target, tok), ssl_context=ctx) as srv:
+        async def main():
+            async with EdgeClient(srv.url, TorchDrafter(draft), tok, chat=False,
+                                  offline_timeout_s=60) as c:
+                return await c.generate(prompt_ids=[4, 5, 6], max_new_tokens=4)
+        t0 = time.monotonic()
+        with pytest.raises(TLSVerifyError, match="CA certificate"):
+            asyncio.run(main())
+        assert time.monotonic() - t0 < 5.0
+        trusted = ssl.create_default_context(cafile=str(cert))
+
+        async def trusting():
+            async with EdgeClient(srv.url, TorchDrafter(draft), tok, chat=False,
+                                  ssl_context=trusted) as c:
+                return await c.generate(prompt_ids=[4, 5, 6], max_new_tokens=4)
+        assert len(asyncio.run(trusting()).token_ids) == 4
+
+
+def test_bad_values_are_refused_before_any_model_loads():
+    url = f"http://127.0.0.1:{_free_port()}"
+    for args, needle in [(["--top-p", "1.5"], "--top-p"),
+                         (["--temperature", "-1"], "--temperature"),
+                         (["--max-new-tokens", "0"], "--max-new-tokens"),
+                         (["--max-new-tokens", "100000"], "--max-new-tokens"),
+                         (["--repetition-penalty", "0"], "--repetition-penalty")]:
+        r, dt = run("generate", "Hi", "--url", url, *args)
+        assert r.exit_code == 2 and needle in r.output and dt < 2.0, (args, r.output)
+    r, _ = run("generate", "", "--url", url)
+    assert r.exit_code == 2 and "prompt is empty" in r.output
+    for bad in ("not-a-url", "ftp://127.0.0.1:1"):
+        r, _ = run("generate", "Hi", "--url", bad)
+        assert r.exit_code == 2 and "--url" in r.output
+    r, dt = run("generate", "Hi", "--url", url, "--api-key", "sr_live_garbage")
+    assert r.exit_code == 1 and "Error:" in one_line_error(r) and dt < 2.0
+
+
+def test_actionable_errors_are_one_line_unless_debug():
+    from edge_sdk.client import CloudUnreachable
+
+    @click.group(cls=specrelay_cli._Group)
+    @click.option("--debug", is_flag=True)
+    def g(debug):
+        pass
+
+    @g.command()
+    def boom():
+        raise CloudUnreachable("verification API unreachable for 5 s")
+
+    @g.command()
+    def bug():
+        raise KeyError("a bug")
+
+    r = CliRunner().invoke(g, ["boom"])
+    assert one_line_error(r) == "Error: verification API unreachable for 5 s"
+    r = CliRunner().invoke(g, ["--debug", "boom"])
+    assert isinstance(r.exception, CloudUnreachable)
+    r = CliRunner().invoke(g, ["bug"])
+    assert isinstance(r.exception, KeyError)            # bugs keep their traceback
+
+
+def test_version_and_tls_options_exist():
+    r, _ = run("--version")
+    assert r.exit_code == 0 and "specrelay" in r.output and "0." in r.output
+    r, _ = run("edge-serve", "--help")
+    assert "--ca-cert" in r.output and "--offline-timeout" in r.output
+    r, _ = run("generate", "--help")
+    assert "--offline-timeout" in r.output and "Examples" in r.output
+
+
+def test_serve_refuses_a_busy_port_before_loading_a_model():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r, dt = run("serve", "--port", str(port), "--insecure-no-auth")
+    assert "cannot listen on 127.0.0.1:" in one_line_error(r) and dt < 3.0
+
+
+def test_serve_names_its_key_store_and_warns_when_empty(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "empty.sqlite3"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    p = subprocess.Popen([sys.executable, "-m", "specrelay_cli", "serve", "--model",
+                          "smollm2-135m", "--dtype", "float32", "--db", str(db), "--port",
+                          str(_free_port())], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = p.stderr.readline()
+            lines.append(line)
+            if line.startswith("serving ") or p.poll() is not None:
+                break
+        text = "".join(lines)
+        assert f"new key store {db} has no active keys" in text, text
+        assert "serving smollm2-135m (float32)" in text and f"key store {db} (0 active" in text
+    finally:
+        p.terminate()
+        p.wait(30)
