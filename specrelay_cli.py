@@ -366,7 +366,7 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
         new = not os.path.exists(path)
         store = SQLiteKeyStore(path)
         n = len(store.list(include_revoked=False))
-        auth = f"signed requests, key store {path} ({n} active keys)"
+        auth = f"signed requests, key store {path} ({n} active key{'' if n == 1 else 's'})"
         if n == 0:
             click.echo(f"WARNING: {'new' if new else 'the'} key store {path} has no active "
                        "keys, every request will be refused: create one with `specrelay "

@@ -116,7 +116,8 @@ def create(ctx, name, scopes, rpm, tpm, quota, pub, allow_duplicate_name):
 def list_(ctx, as_json, active):
     """List keys (no secrets)."""
     if not as_json:
-        click.echo(f"{'KEY_ID':12}  {'STATUS':7}  {'SCOPES':12}  LIMITS  CREATED  NAME")
+        click.echo(f"{'KEY_ID':12}  {'STATUS':7}  {'SCOPES':12}  {'LIMITS':44}  "
+                   f"{'CREATED':20}  NAME")
     for k in _store(ctx).list(include_revoked=not active):
         row = {"key_id": k.key_id, "name": k.name, "scopes": sorted(k.scopes),
                "rpm": k.rpm, "tpm": k.tpm, "quota": k.quota, "used_tokens": k.used_tokens,
@@ -126,9 +127,10 @@ def list_(ctx, as_json, active):
             click.echo(json.dumps(row))
         else:
             status = "revoked" if k.revoked else "active"
-            click.echo(f"{k.key_id}  {status:7}  {','.join(row['scopes']):12}  "
-                       f"rpm={k.rpm} tpm={k.tpm} quota={k.quota or '-'} "
-                       f"used={k.used_tokens}  {row['created_at']}  {k.name}")
+            limits = (f"rpm={k.rpm} tpm={k.tpm} quota={k.quota or '-'} "
+                      f"used={k.used_tokens}")
+            click.echo(f"{k.key_id:12}  {status:7}  {','.join(row['scopes']):12}  "
+                       f"{limits:44}  {_fmt_ts(k.created_at):20}  {k.name}")
 
 
 def _with_key(fn):

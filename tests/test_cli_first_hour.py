@@ -164,7 +164,7 @@ def test_serve_names_its_key_store_and_warns_when_empty(tmp_path):
                 break
         text = "".join(lines)
         assert f"new key store {db} has no active keys" in text, text
-        assert "serving smollm2-135m (float32)" in text and f"key store {db} (0 active" in text
+        assert "serving smollm2-135m (float32)" in text and f"key store {db} (0 active keys" in text
     finally:
         p.terminate()
         p.wait(30)
