@@ -124,33 +124,34 @@ def check_url(url: str) -> None:
 
 
 def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
-    """``GET /healthz`` until it answers or ``wait_s`` seconds pass (at least one try,
-    5 s each). Raises click.ClickException with what to do: nothing listening, an
-    untrusted certificate (never retried), or something that is not the API."""
+    """``GET /healthz`` through the SDK's :class:`Transport` until it answers or ``wait_s``
+    seconds pass (at least one try). Raises click.ClickException with what to do:
+    nothing listening, an untrusted certificate (never retried), or not the API."""
     import ssl
     import time
 
-    import aiohttp
+    from edge_sdk.client import UNREACHABLE
+    from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
 
     ctx = ssl.create_default_context(cafile=ca_cert) if ca_cert else None
 
     async def once():
-        conn = aiohttp.TCPConnector(ssl=ctx) if ctx else None
-        async with aiohttp.ClientSession(connector=conn,
-                                         timeout=aiohttp.ClientTimeout(total=5)) as s:
-            async with s.get(url.rstrip("/") + "/healthz") as r:
-                return r.status
+        t = Transport(url, retries=0, timeout_s=5.0, ssl_context=ctx)
+        try:
+            await t.request("GET", "/healthz")
+        finally:
+            await t.close()
 
     t0 = time.monotonic()
     while True:
         try:
-            status = asyncio.run(once())
-            break
-        except aiohttp.ClientSSLError as e:
-            raise click.ClickException(
-                f"TLS handshake with {url} failed ({e.__class__.__name__}): pass the "
-                "server's CA certificate with --ca-cert") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return asyncio.run(once())
+        except TLSVerifyError as e:
+            raise click.ClickException(str(e)) from None
+        except RemoteError as e:
+            raise click.ClickException(f"{url}/healthz answered HTTP {e.status}: is this a "
+                                       "specrelay verification API?") from None
+        except (*UNREACHABLE, OSError) as e:
             if time.monotonic() - t0 >= wait_s:
                 reason = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise click.ClickException(
@@ -158,9 +159,6 @@ def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
                     f"gave up after {time.monotonic() - t0:.0f} s, --offline-timeout "
                     "waits longer)") from None
             time.sleep(0.5)
-    if status != 200:
-        raise click.ClickException(f"{url}/healthz answered HTTP {status}: is this a "
-                                   "specrelay verification API?")
 
 
 async def _generate(url, drafter, tok, prompt, kw, signer, ca_cert=None):

@@ -342,15 +342,15 @@ class Generation:
                                              draft_generator(self.seed, self.round_idx))
         return block if len(block) else None
 
-    def _request(self, tokens: list[int], block: DraftBlock | None, seq: int | None = None,
-                 pending: int | None = None) -> wire.VerifyRequest:
-        """The verify request of ``block`` on the confirmed prefix ``tokens`` (the
-        request's own ``seq``/``pending`` unless given). ``expect_last`` is the last
+    def _request(self, tokens: list[int], block: DraftBlock | None,
+                 ahead: bool = False) -> wire.VerifyRequest:
+        """The verify request of ``block`` on the confirmed prefix ``tokens``: the next
+        block (``self.seq``, ``self.pending``), or with ``ahead`` the one after it (no
+        correction can be pending on an assumed full acceptance). ``expect_last`` is the last
         confirmed token whenever no correction is pending, so a block sent ahead and the
         same block sent after its predecessor's verdict are the same bytes (a resend is
         answered from the cloud's replay cache)."""
-        seq = self.seq if seq is None else seq
-        pending = self.pending if seq == self.seq else pending
+        seq, pending = (self.seq + 1, None) if ahead else (self.seq, self.pending)
         toks = np.array(block.tokens if block else [], dtype=np.int64)
         q_tok = q_full = None
         if block is not None and self.c.mode == "standard":
@@ -374,6 +374,9 @@ class Generation:
             await self._create(list(tokens), self.committer.remaining)
             body = self._request(tokens, block).encode(self.vocab)
             data = await self._call("POST", self.path + "/verify", body)
+        return self._decode_verdict(data)
+
+    def _decode_verdict(self, data: bytes) -> wire.VerifyResponse:
         resp = wire.VerifyResponse.decode(data)
         if resp.block_seq != self.seq:
             raise RuntimeError(f"response answers block {resp.block_seq}, sent {self.seq}")
@@ -424,7 +427,7 @@ class Generation:
             return None               # incomplete, or the request may end before it
         assumed = br.prefix           # tokens + block + guessed bonus
         blk = br.finish(pro.plan, self.cfg)
-        body = self._request(assumed, blk, seq=self.seq + 1, pending=None).encode(self.vocab)
+        body = self._request(assumed, blk, ahead=True).encode(self.vocab)
         ahead = _Ahead(asyncio.ensure_future(self._post_ahead(body, self.seq + 1)),
                        blk, pro.plan, body, time.perf_counter(), br.root)
         self.m.ahead_blocks += 1
@@ -448,10 +451,7 @@ class Generation:
             self.m.ahead_hits += 1
             return got
         data = await self._call("POST", self.path + "/verify", ahead.body)
-        resp = wire.VerifyResponse.decode(data)
-        if resp.block_seq != self.seq:
-            raise RuntimeError(f"response answers block {resp.block_seq}, sent {self.seq}")
-        return resp, time.perf_counter()
+        return self._decode_verdict(data), time.perf_counter()
 
     def _drop_ahead(self, ahead: "_Ahead | None") -> None:
         """A block sent ahead on an outcome that did not happen: the cloud refuses it
@@ -533,8 +533,7 @@ class Generation:
             raise RuntimeError("edge and cloud disagree on the confirmed length")
         hit = a == g and resp.next_token is not None
         wasted = g - a + self._settle(pro, hit, resp.next_token)
-        if (nxt_ahead is not None and self._next is not None and hit
-                and resp.next_token == nxt_ahead.root):
+        if nxt_ahead is not None and self._next is not None:   # the chain's hit
             self._ahead = nxt_ahead          # the cloud is verifying it already
         else:
             self._drop_ahead(nxt_ahead)
