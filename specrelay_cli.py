@@ -294,6 +294,17 @@ def main(debug):
           specrelay serve                  (the verification API on :8000)
           specrelay generate "Hello" --api-key sr_live_...
     """
+    import logging
+
+    # one-time steps (GGUF assembly and dequantisation, draft export) say what they do
+    lg = logging.getLogger("edge_sdk")
+    if not any(getattr(h, "_specrelay", False) for h in lg.handlers):
+        h = logging.StreamHandler()                  # stderr: stdout stays the result
+        h.setFormatter(logging.Formatter("%(message)s"))
+        h._specrelay = True
+        lg.addHandler(h)
+    lg.setLevel(logging.DEBUG if debug else logging.INFO)
+    lg.propagate = False
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -334,8 +345,13 @@ def _check_port_free(host: str, port: int) -> None:
               help="PEM certificate (chain): serve https.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM private key of --tls-cert.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve /metrics on this port of --metrics-host instead of on the API "
+                   "port (which then answers 404 for /metrics).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Interface of --metrics-port.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
-          insecure_no_auth, tls_cert, tls_key):
+          insecure_no_auth, tls_cert, tls_key, metrics_port, metrics_host):
     """Serve the signed verification API for a target model.
 
     \b
@@ -344,12 +360,18 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
       specrelay serve --host 0.0.0.0 --tls-cert cert.pem --tls-key key.pem
       specrelay serve --model smollm2-135m --insecure-no-auth   (local development)
 
-    /healthz and /metrics (Prometheus) answer without a signature; put the port behind
-    a firewall or proxy where the metrics must stay private.
+    /healthz and /metrics (Prometheus) answer without a signature; keep /metrics private
+    with --metrics-port (its own listener, default interface 127.0.0.1) or a firewall.
+    Each request is logged on stderr as one JSON line: endpoint, status, seconds,
+    bytes_in, key_id, session (never prompts, tokens or secrets).
     """
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
     _check_port_free(host, port)                  # before minutes of model loading
+    if metrics_port is not None:
+        if metrics_port == port:
+            raise click.BadParameter("must differ from --port", param_hint="--metrics-port")
+        _check_port_free(metrics_host, metrics_port)
     from aiohttp import web
 
     from cloud_api.app import create_app
@@ -377,13 +399,16 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
         ssl_ctx.load_cert_chain(tls_cert, tls_key)
     target, tok = load_model(model, dtype=dtype, threads=threads)
     app = create_app(target, tok, key_store=store, max_batch=max_batch,
-                     max_wait_s=max_wait_ms / 1000)
+                     max_wait_s=max_wait_ms / 1000,
+                     metrics_address=(None if metrics_port is None
+                                      else (metrics_host, metrics_port)))
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     scheme = "https" if ssl_ctx else "http"
     click.echo(f"serving {model} ({resolve_dtype(dtype)}) on {scheme}://{host}:{port}; "
-               f"auth: {auth}", err=True)
+               f"auth: {auth}" + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
+                                  if metrics_port else ""), err=True)
     # our structured access log replaces aiohttp's (which would log user agents etc.)
     web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30,
                 access_log=None, print=None)

@@ -240,7 +240,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, middlewares=(),
-               client_max_size: int = wire.MAX_BODY_BYTES, **service_kw) -> web.Application:
+               client_max_size: int = wire.MAX_BODY_BYTES,
+               metrics_address: tuple[str, int] | None = None,
+               **service_kw) -> web.Application:
     """Build the verification app around a loaded target model.
 
     Args:
@@ -252,6 +254,9 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, mid
         middlewares: extra aiohttp middlewares (auth, rate limits) run after the
             JSON error middleware.
         client_max_size: body limit in bytes (larger bodies get 413 JSON).
+        metrics_address: ``(host, port)`` to serve ``GET /metrics`` on its own listener
+            (started and stopped with this app) instead of on the API port, so the API
+            port can face the internet while the metrics stay on a private interface.
         service_kw: :class:`CloudService` options (max_block, max_batch, max_wait_s,
             session_ttl_s, max_sessions, threads).
     """
@@ -270,7 +275,12 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, mid
     svc = CloudService(model, tokenizer, metrics=metrics, **service_kw)
     app[SERVICE] = svc
     app[METRICS] = metrics
-    app.router.add_get("/metrics", metrics_handler)
+    if metrics_address is None:
+        app.router.add_get("/metrics", metrics_handler)
+    else:
+        from cloud_api.metrics import serve_metrics_on
+
+        serve_metrics_on(app, *metrics_address)
     app.on_startup.append(svc.start)
     app.on_cleanup.append(svc.stop)
     app.router.add_post("/v1/sessions", create_session)

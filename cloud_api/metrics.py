@@ -122,3 +122,26 @@ async def metrics_handler(request: web.Request) -> web.Response:
         m.evictions.set(svc.sessions.evictions)
     return web.Response(body=generate_latest(m.registry),
                         headers={"content-type": CONTENT_TYPE_LATEST})
+
+
+def serve_metrics_on(app: web.Application, host: str, port: int) -> None:
+    """Serve ``GET /metrics`` of ``app`` on a listener of its own at ``host:port``,
+    opened when ``app`` starts and closed at its cleanup (same event loop)."""
+    side = web.Application()
+    side[METRICS] = app[METRICS]
+    side[SERVICE] = app.get(SERVICE)
+    side.router.add_get("/metrics", metrics_handler)
+    state = {}
+
+    async def start(_parent: web.Application) -> None:
+        runner = web.AppRunner(side, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        state["runner"] = runner
+
+    async def stop(_parent: web.Application) -> None:
+        if "runner" in state:
+            await state.pop("runner").cleanup()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import torch
 
 from edge_sdk.cache import cache_dir
 from edge_sdk.draft_format import is_draft_folder, load_draft
+
+log = logging.getLogger(__name__)
 
 OFFLINE = {"local_files_only": True}
 """``from_pretrained`` options: never reach a model hub (nothing downloads at run time)."""
@@ -176,6 +180,9 @@ def _load_full(spec: ModelSpec, dtype: str = "float32"):
     cached = _gguf_cache_path(spec, dtype)
     if (cached / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(cached, dtype=DTYPES[dtype], **OFFLINE)
+    log.info("first load of %s: dequantizing the GGUF weights to %s (about a minute for "
+             "a 1.5B model; once: cached in %s)", spec.gguf_file, dtype, cached)
+    t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
     model = model.to(DTYPES[dtype])
     tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
@@ -188,6 +195,7 @@ def _load_full(spec: ModelSpec, dtype: str = "float32"):
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         tmp.rename(cached)
+        log.info("%s converted in %.0f s and cached", spec.gguf_file, time.perf_counter() - t0)
     except OSError:
         pass  # cache is an optimisation; a read-only home still works
     return model

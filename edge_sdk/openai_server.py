@@ -625,6 +625,8 @@ if click is not None:
                                            if ca_cert else None))
         click.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 "
                    f"(draft {draft}, cloud {url})", err=True)
-        web.run_app(app, host=host, port=port, print=None)
+        # SIGTERM: stop accepting, give in-flight requests a short grace period, then
+        # cancel them (a request waiting out --offline-timeout must not hold the exit)
+        web.run_app(app, host=host, port=port, print=None, shutdown_timeout=3.0)
 else:  # pragma: no cover
     edge_serve = None

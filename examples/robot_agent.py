@@ -240,6 +240,55 @@ SCRIPTED_INSTRUCTIONS = [
     "say good morning",
 ]
 
+# ------------------------------------------------------------------------- checking
+
+_CLAUSE_SPLIT = re.compile(r"\s*,\s*(?:and\s+)?(?:then\s+)?|\s+then\s+|\s+and\s+(?:then\s+)?"
+                           r"(?=(?:move|go|walk|drive|head|pick|grab|take|get|drop|put|"
+                           r"release|charge|recharge|say|speak|tell)\b)", re.I)
+
+
+def expected_actions(instruction: str) -> list[Action] | None:
+    """The commands an instruction asks for, or ``None`` when it cannot be read as a
+    sequence of commands (then completion is not checked).
+
+    ``"move east 3, then pick up the cup"`` -> ``[move east 3, pick cup]``.
+    """
+    clauses = [c for c in _CLAUSE_SPLIT.split(instruction.strip()) if c and c.strip()]
+    try:
+        acts = [parse_action(c) for c in clauses]
+    except ParseError:
+        return None
+    acts = [a for a in acts if a.kind != "done"]
+    return acts or None
+
+
+def _norm_text(t: str | None) -> str:
+    return re.sub(r"[^a-z0-9 ]", "", (t or "").lower()).strip()
+
+
+def satisfied(wanted: list[Action], done: list[Action]) -> bool:
+    """Whether every wanted command is among the successfully executed ones (each
+    executed command matches at most one wanted; ``say`` compares the text without case
+    or punctuation; ``drop`` without an object matches any drop)."""
+    pool = list(done)
+    for w in wanted:
+        for i, a in enumerate(pool):
+            if a.kind != w.kind:
+                continue
+            if w.kind == "say":
+                ok = _norm_text(w.arg) in _norm_text(a.arg)
+            elif w.kind == "drop" and not w.arg:
+                ok = True
+            else:
+                ok = (a.arg, a.steps) == (w.arg, w.steps)
+            if ok:
+                del pool[i]
+                break
+        else:
+            return False
+    return True
+
+
 # ------------------------------------------------------------------------- prompt
 
 SYSTEM = ("You control a robot on a grid. Answer with robot commands only, one per line. "
@@ -431,14 +480,18 @@ class AgentReport:
     rounds: list
     robot: Robot
     wall_s: float
-    completed: list            # per instruction: finished cleanly (done, no failure)
+    completed: list            # per instruction: True (every command it asks for ran),
+    #                            False, or None (not a readable command list: unchecked)
+    ended_cleanly: list = field(default_factory=list)  # per instruction: last round had
+    #                                                    no failure and did not run out
 
     def to_dict(self) -> dict:
         return {"rounds": [r.summary() | {
                     "text": r.text, "unparseable": r.unparseable,
                     "actions": [[str(a), o.ok, o.message] for a, o in r.actions]}
                            for r in self.rounds],
-                "completed": self.completed, "final_state": self.robot.snapshot(),
+                "completed": self.completed, "ended_cleanly": self.ended_cleanly,
+                "final_state": self.robot.snapshot(),
                 "wall_s": self.wall_s}
 
 
@@ -447,18 +500,23 @@ async def run_agent(client, robot: Robot, instructions: list[str], *, max_rounds
     """The agentic loop: per instruction, rounds of (stream reply, execute, observe)
     until a round ends cleanly (no failed action; ``done`` or end of reply) or
     ``max_rounds``. Each instruction starts from the few-shot prompt; its rounds
-    accumulate as chat turns."""
+    accumulate as chat turns. An instruction counts as completed only when every command
+    it asks for (:func:`expected_actions`) was executed successfully in its rounds; a
+    clean ending alone is not enough (the model may say ``done`` having skipped one)."""
     t0 = time.perf_counter()
-    rounds, completed = [], []
+    rounds, completed, clean = [], [], []
     for i, instruction in enumerate(instructions):
         log(f"[bold]instruction {i + 1}:[/bold] {instruction}   [dim]{robot.state()}[/dim]")
         msgs = base_messages() + [{"role": "user", "content": instruction}]
         ok = False
+        wanted = expected_actions(instruction)
+        ran: list[Action] = []
         for r in range(1, max_rounds + 1):
             rec = await run_round(client, robot, msgs, instruction_index=i + 1,
                                   instruction=instruction, round_no=r,
                                   max_new_tokens=max_new_tokens, log=log)
             rounds.append(rec)
+            ran += [a for a, o in rec.actions if o.ok and a.kind != "done"]
             if not rec.failed and (rec.executed() or rec.done) and \
                     rec.finish_reason != "length":
                 ok = True
@@ -468,8 +526,12 @@ async def run_agent(client, robot: Robot, instructions: list[str], *, max_rounds
                            {"role": "user", "content": observation(
                                rec.actions, rec.unparseable, robot)}]
             log(f"  [dim]{msgs[-1]['content']}[/dim]")
-        completed.append(ok)
-    return AgentReport(rounds, robot, time.perf_counter() - t0, completed)
+        clean.append(ok)
+        completed.append(None if wanted is None else satisfied(wanted, ran))
+        if wanted is not None and not completed[-1]:
+            log(f"  [yellow]not completed: asked for {', '.join(map(str, wanted))}; ran "
+                f"{', '.join(map(str, ran)) or 'nothing'}[/yellow]")
+    return AgentReport(rounds, robot, time.perf_counter() - t0, completed, clean)
 
 
 def print_report(report: AgentReport, console=None) -> None:
@@ -490,8 +552,11 @@ def print_report(report: AgentReport, console=None) -> None:
                   s["finish_reason"])
     con.print(t)
     tok = sum(r.tokens for r in report.rounds)
-    con.print(f"instructions completed: {sum(report.completed)}/{len(report.completed)}   "
-              f"rounds: {len(report.rounds)}   tokens: {tok}   wall: {report.wall_s:.1f}s")
+    checked = [c for c in report.completed if c is not None]
+    unchecked = len(report.completed) - len(checked)
+    note = f" ({unchecked} not checkable, not counted)" if unchecked else ""
+    con.print(f"instructions completed: {sum(checked)}/{len(checked)}{note} (every command "
+              f"asked for ran)   rounds: {len(report.rounds)}   tokens: {tok}   wall: {report.wall_s:.1f}s")
     con.print(f"final state: {report.robot.state()}; objects "
               f"{report.robot.snapshot()['objects']}; said {report.robot.said}")
 

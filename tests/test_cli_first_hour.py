@@ -168,3 +168,101 @@ def test_serve_names_its_key_store_and_warns_when_empty(tmp_path):
     finally:
         p.terminate()
         p.wait(30)
+
+
+def test_edge_serve_shuts_down_promptly_with_a_request_pending():
+    """SIGTERM while a chat request waits for an unreachable cloud: the process exits
+    within seconds (in-flight requests get a bounded grace period), not after the
+    offline timeout."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import requests
+
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    p = subprocess.Popen([sys.executable, "-m", "specrelay_cli", "edge-serve", "--url",
+                          f"http://127.0.0.1:{_free_port()}", "--draft", "smollm2-135m-draft",
+                          "--port", str(port), "--offline-timeout", "300"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except requests.ConnectionError:
+                assert p.poll() is None, p.stderr.read()
+                time.sleep(0.5)
+        answer = {}
+
+        def chat():
+            try:
+                answer["r"] = requests.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+            except requests.RequestException as e:        # the server went away
+                answer["e"] = e
+
+        t = threading.Thread(target=chat)
+        t.start()
+        time.sleep(2.0)                                   # the request is now waiting
+        assert t.is_alive()
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+        assert time.monotonic() - t0 < 10
+        t.join(30)
+        assert not t.is_alive() and answer                # answered or disconnected
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+
+
+def test_first_gguf_load_says_what_it_does(monkeypatch, tmp_path):
+    """The minute-long first dequantisation of a GGUF checkpoint is announced on stderr
+    (through the ``edge_sdk`` logger the CLI wires up); a cached load says nothing."""
+    import logging
+
+    from edge_sdk import models
+
+    r, _ = run("keys", "--db", str(tmp_path / "k.sqlite3"), "list")
+    assert r.exit_code == 0, r.output
+    lg = logging.getLogger("edge_sdk")
+    assert lg.level == logging.INFO and any(getattr(h, "_specrelay", False)
+                                            for h in lg.handlers)
+    seen = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    grab = Grab()
+    lg.addHandler(grab)
+    try:
+        monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
+        models.load_model("smollm2-135m", dtype="float32")
+        assert any(m.startswith("first load of SmolLM2-135M-Instruct.Q4_1.gguf: "
+                                "dequantizing") for m in seen), seen
+        assert any("converted in" in m for m in seen), seen
+        seen.clear()
+        models.load_model("smollm2-135m", dtype="float32")
+        assert seen == []
+    finally:
+        lg.removeHandler(grab)
+
+
+def test_serve_metrics_port_is_checked_before_loading():
+    port = _free_port()
+    r, dt = run("serve", "--port", str(port), "--metrics-port", str(port))
+    assert "--metrics-port" in one_line_error(r) and dt < 5
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r, dt = run("serve", "--port", str(_free_port()), "--metrics-port",
+                    str(busy.getsockname()[1]))
+        assert "in use" in one_line_error(r) and dt < 5

@@ -14,7 +14,8 @@ import pytest
 
 from examples import chat_app, robot_agent
 from examples.robot_agent import (
-    Action, LineBuffer, ParseError, Robot, default_world, parse_action,
+    SCRIPTED_INSTRUCTIONS, Action, LineBuffer, ParseError, Robot, default_world,
+    expected_actions, parse_action, satisfied,
 )
 
 # ----------------------------------------------------------------------- no model
@@ -43,6 +44,35 @@ def test_parse_action(line, want):
 def test_parse_action_rejects(line):
     with pytest.raises(ParseError):
         parse_action(line)
+
+
+@pytest.mark.parametrize("instruction, want", [
+    ("move east 3, then pick up the cup", ["move east 3", "pick cup"]),
+    ("go north 5 and say I am here", ["move north 5", "say I am here"]),
+    ("walk south 2 steps and drop the cup", ["move south 2", "drop cup"]),
+    ("say good morning", ["say good morning"]),
+    ("charge, then move west 1", ["charge", "move west 1"]),
+])
+def test_expected_actions(instruction, want):
+    assert [str(a) for a in expected_actions(instruction)] == want
+
+
+def test_expected_actions_unreadable_is_unchecked():
+    assert expected_actions("dance a little") is None
+    assert expected_actions("move east 3 and then tidy up") is None
+    assert all(expected_actions(i) for i in SCRIPTED_INSTRUCTIONS)
+
+
+def test_completion_needs_every_asked_command():
+    """A round that ends with ``done`` after skipping a command is not completed."""
+    want = expected_actions("move east 3, then pick up the cup")
+    assert not satisfied(want, [Action("move", "east", 3)])
+    assert not satisfied(want, [Action("move", "east", 2), Action("pick", "cup")])
+    assert satisfied(want, [Action("pick", "cup"), Action("move", "east", 3)])
+    # one executed command satisfies one asked command, not two
+    assert not satisfied([Action("move", "east", 1)] * 2, [Action("move", "east", 1)])
+    assert satisfied(expected_actions("say good morning"), [Action("say", "Good morning!")])
+    assert satisfied([Action("drop")], [Action("drop", "cup")])
 
 
 def test_robot_simulator_rules():
@@ -141,6 +171,13 @@ def test_robot_agent_real_model(real, tmp_path):
     assert replay.snapshot() == robot.snapshot()
     assert robot.snapshot() != start
     assert robot.history == replay.history
+    # the completion count is honest: completed iff every asked command ran successfully
+    lines = [ln for ln in instructions.read_text().splitlines() if not ln.startswith("#")]
+    assert len(report.completed) == len(report.ended_cleanly) == len(lines)
+    for i, text in enumerate(lines, 1):
+        ran = [a for r in report.rounds if r.instruction_index == i
+               for a, o in r.actions if o.ok and a.kind != "done"]
+        assert report.completed[i - 1] == satisfied(expected_actions(text), ran)
 
 
 @pytest.mark.real_model

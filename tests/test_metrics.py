@@ -54,3 +54,34 @@ def test_near_tie_positions_past_the_committed_tokens_are_dropped():
     m = RequestMetrics(committed_tokens=5, near_tie_positions=[1, 4, 5, 7])
     d = m.to_dict()
     assert d["near_tie_positions"] == [1, 4] and d["near_tie_tokens"] == 2
+
+
+def test_metrics_on_their_own_listener(target, tok, draft):
+    """``metrics_address``: /metrics leaves the API port (404 there) and answers on its
+    own listener, counting the API's requests; the listener closes with the app."""
+    import socket
+
+    import requests
+
+    from cloud_api.app import create_app
+    from cloud_api.server import BackgroundServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mport = s.getsockname()[1]
+    murl = f"http://127.0.0.1:{mport}/metrics"
+    with BackgroundServer(create_app(target, tok, metrics_address=("127.0.0.1", mport))) as srv:
+        assert requests.get(srv.url + "/metrics", timeout=10).status_code == 404
+        async def main():
+            async with EdgeClient(srv.url, TorchDrafter(draft), tok, depth=3,
+                                  chat=False) as c:
+                return await c.generate(prompt_ids=[4, 5, 6], max_new_tokens=12)
+        r = asyncio.run(main())
+        text = requests.get(murl, timeout=10).text
+        assert _value(text, "specrelay_target_passes_total") == r.metrics["rounds"]
+        assert _value(text, "specrelay_sessions") == 0.0
+    try:
+        requests.get(murl, timeout=2)
+        raise AssertionError("the metrics listener outlived the app")
+    except requests.ConnectionError:
+        pass
