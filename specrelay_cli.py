@@ -465,11 +465,8 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
 @sampling_options
 def demo(prompt, target, draft, compare, dtype, **kw):
     """Start a local signed server with the default models, generate, print metrics."""
-    from cloud_api.app import create_app
-    from cloud_api.keys import SQLiteKeyStore
-    from cloud_api.server import BackgroundServer
+    from cloud_api.local import local_server
     from edge_sdk.models import load_model
-    from edge_sdk.protocol.signing import Signer
 
     draft = draft or default_draft(target)
     note = None
@@ -481,11 +478,8 @@ def demo(prompt, target, draft, compare, dtype, **kw):
         click.echo(f"loading target {target} and draft {draft} ...", err=True)
     tmodel, tok = load_model(target, dtype=dtype)
     drafter, _ = make_drafter(draft)
-    store = SQLiteKeyStore(":memory:")
-    _, raw_key = store.create("demo-ephemeral", scopes=("verify",), rpm=100_000,
-                              tpm=10_000_000)
-    signer = Signer.from_api_key(raw_key)
-    with BackgroundServer(create_app(tmodel, tok, key_store=store)) as srv:
+    with local_server(tmodel, tok, name="demo-ephemeral") as srv:
+        signer = srv.signer
         res = asyncio.run(_generate(srv.url, drafter, tok, prompt,
                                     kw | {"target_only": kw["target_only"]}, signer))
         extra = {}

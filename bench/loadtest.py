@@ -96,22 +96,17 @@ async def _run(url, signer, drafter, tok, prompts, refs, concurrency, duration, 
 @click.option("--out", default=None, help="write the JSON report here")
 def main(duration, concurrency, target, draft, n_prompts, max_new_tokens, depth, rpm, out):
     """Run the load test and print a JSON report."""
-    from cloud_api.app import create_app
-    from cloud_api.keys import SQLiteKeyStore
-    from cloud_api.server import BackgroundServer
-    from edge_sdk import EdgeClient
     from bench.workloads import load_workload
+    from cloud_api.local import local_server
+    from edge_sdk import EdgeClient
     from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import encode_prompt, load_model
-    from edge_sdk.protocol.signing import Signer
 
     tmodel, tok = load_model(target)
     dmodel, _ = load_model(draft)
     prompts = [encode_prompt(tok, p.text, True) for p in load_workload("mtbench", n_prompts)]
-    store = SQLiteKeyStore(":memory:")
-    _, raw = store.create("loadtest", scopes=("verify",), rpm=rpm, tpm=10_000_000)
-    signer = Signer.from_api_key(raw)
-    with BackgroundServer(create_app(tmodel, tok, key_store=store, max_batch=16)) as srv:
+    with local_server(tmodel, tok, name="loadtest", rpm=rpm, max_batch=16) as srv:
+        signer = srv.signer
         async def refs():
             async with EdgeClient(srv.url, None, tok, chat=False, signer=signer) as c:
                 return [(await c.generate(prompt_ids=p, max_new_tokens=max_new_tokens))

@@ -239,11 +239,9 @@ def _server_main(conn, target, dtype: str, cpus, threads: int, auth: bool,
         KVModel(model).forward([0, 1, 2, 3])                 # warm the kernels
         store, raw_key = None, None
         if auth:
-            from cloud_api.keys import SQLiteKeyStore
+            from cloud_api.local import ephemeral_key_store
 
-            store = SQLiteKeyStore(":memory:")
-            _, raw_key = store.create("bench-ephemeral", scopes=("verify",),
-                                      rpm=10**9, tpm=10**12)
+            store, raw_key = ephemeral_key_store("bench-ephemeral", rpm=10**9, tpm=10**12)
         asyncio.run(_serve(conn, model, tok, store, raw_key, threads, load_s, server_kw))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         try:

@@ -25,16 +25,10 @@ class Backend:
 def local_server(target, tokenizer) -> Iterator[Backend]:
     """A signed verification API for ``target`` on a loopback port, with an ephemeral
     in-memory API key (what ``specrelay demo`` does)."""
-    from cloud_api.app import create_app
-    from cloud_api.keys import SQLiteKeyStore
-    from cloud_api.server import BackgroundServer
-    from edge_sdk.protocol.signing import Signer
+    from cloud_api.local import local_server as serve
 
-    store = SQLiteKeyStore(":memory:")
-    _, raw_key = store.create("example-ephemeral", scopes=("verify",), rpm=100_000,
-                              tpm=10_000_000)
-    with BackgroundServer(create_app(target, tokenizer, key_store=store)) as srv:
-        yield Backend(srv.url, Signer.from_api_key(raw_key), raw_key)
+    with serve(target, tokenizer, name="example-ephemeral") as srv:
+        yield Backend(srv.url, srv.signer, srv.api_key)
 
 
 @contextlib.contextmanager
