@@ -345,13 +345,16 @@ def _check_port_free(host: str, port: int) -> None:
               help="PEM certificate (chain): serve https.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM private key of --tls-cert.")
+@click.option("--unauth-rpm", type=click.IntRange(min=0), default=600, show_default=True,
+              help="Per-IP budget of unauthenticated requests (refused signatures, "
+                   "/healthz, /metrics) per minute; 0: no limit.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve /metrics on this port of --metrics-host instead of on the API "
                    "port (which then answers 404 for /metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Interface of --metrics-port.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
-          insecure_no_auth, tls_cert, tls_key, metrics_port, metrics_host):
+          insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host):
     """Serve the signed verification API for a target model.
 
     \b
@@ -399,7 +402,7 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
         ssl_ctx.load_cert_chain(tls_cert, tls_key)
     target, tok = load_model(model, dtype=dtype, threads=threads)
     app = create_app(target, tok, key_store=store, max_batch=max_batch,
-                     max_wait_s=max_wait_ms / 1000,
+                     max_wait_s=max_wait_ms / 1000, unauth_per_window=unauth_rpm or None,
                      metrics_address=(None if metrics_port is None
                                       else (metrics_host, metrics_port)))
     import logging

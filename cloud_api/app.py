@@ -239,7 +239,8 @@ async def healthz(request: web.Request) -> web.Response:
                               "tokenizer_hash": svc.fingerprint})
 
 
-def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, middlewares=(),
+def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60,
+               unauth_per_window: int | None = 600, middlewares=(),
                client_max_size: int = wire.MAX_BODY_BYTES,
                metrics_address: tuple[str, int] | None = None,
                **service_kw) -> web.Application:
@@ -251,6 +252,9 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, mid
             be signed by a key with the ``verify`` scope and is rate limited per key.
             None serves without authentication (local development only).
         rate_window_s: window (seconds) of the per-key rpm/tpm limits.
+        unauth_per_window: with a key store, the per-IP budget of unauthenticated
+            requests (refused signatures, public paths) per ``rate_window_s``
+            (:func:`cloud_api.ratelimit.unauthenticated_ip_middleware`); None: no limit.
         middlewares: extra aiohttp middlewares (auth, rate limits) run after the
             JSON error middleware.
         client_max_size: body limit in bytes (larger bodies get 413 JSON).
@@ -266,8 +270,12 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60, mid
     mws = [metrics_middleware(metrics), error_middleware]
     if key_store is not None:
         from cloud_api.auth import auth_middleware
-        from cloud_api.ratelimit import RateLimiter, ratelimit_middleware
+        from cloud_api.ratelimit import (RateLimiter, ratelimit_middleware,
+                                         unauthenticated_ip_middleware)
 
+        if unauth_per_window is not None:
+            mws.append(unauthenticated_ip_middleware(unauth_per_window,
+                                                     window_s=rate_window_s))
         mws += [auth_middleware(key_store),
                 ratelimit_middleware(RateLimiter(window_s=rate_window_s, store=key_store))]
     app = web.Application(middlewares=[*mws, *middlewares],

@@ -65,23 +65,45 @@ def scope_for_path(path: str, rules=DEFAULT_SCOPE_RULES, default: str = "admin")
 class NonceCache:
     """Bounded replay cache: remembers ``(key_id, nonce)`` for ``ttl_s`` seconds.
 
-    ``ttl_s`` must be >= 2 * skew so a nonce outlives its timestamp's validity.
+    ``ttl_s`` must be >= 2 * skew so a nonce outlives its timestamp's validity. Memory is
+    bounded by ``max_entries`` in all and ``max_per_key`` per key; an unexpired entry is
+    never evicted to make room (that would let its replay through): a full cache, or a
+    key over its share, fails closed (``None``: the middleware answers 503 with
+    ``Retry-After``), and one key's burst cannot lock the other keys out.
     """
 
-    def __init__(self, ttl_s: float = 600, max_entries: int = 200_000):
-        self.ttl_s, self.max_entries = ttl_s, max_entries
+    def __init__(self, ttl_s: float = 600, max_entries: int = 200_000,
+                 max_per_key: int = 20_000):
+        self.ttl_s, self.max_entries, self.max_per_key = ttl_s, max_entries, max_per_key
         self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._per_key: dict[str, int] = {}
+
+    @property
+    def size(self) -> int:
+        """Entries held (expired ones included until the next check)."""
+        return len(self._seen)
+
+    def _expire(self, now: float) -> None:
+        while self._seen and next(iter(self._seen.values())) <= now:
+            (key_id, _), _ = self._seen.popitem(last=False)
+            left = self._per_key[key_id] - 1
+            if left:
+                self._per_key[key_id] = left
+            else:
+                del self._per_key[key_id]
 
     def check_and_add(self, key_id: str, nonce: str, now: float) -> bool | None:
-        """True if fresh (now recorded), False if replayed, None if cache is full."""
-        while self._seen and next(iter(self._seen.values())) <= now:
-            self._seen.popitem(last=False)
+        """True if fresh (now recorded), False if replayed, None if the cache (or this
+        key's share of it) is full."""
+        self._expire(now)
         k = (key_id, nonce)
         if k in self._seen:
             return False
-        if len(self._seen) >= self.max_entries:
+        n = self._per_key.get(key_id, 0)
+        if len(self._seen) >= self.max_entries or n >= self.max_per_key:
             return None
         self._seen[k] = now + self.ttl_s  # insertion order == expiry order
+        self._per_key[key_id] = n + 1
         return True
 
 

@@ -63,6 +63,14 @@ class ApiKey:
     ed25519_public_key: bytes | None = None  # raw 32 bytes
     rotated_from: str | None = None
     secret_hash: bytes = field(default=b"", repr=False)  # = HMAC key
+    #: the first key of its rotation chain: a key and its rotations share one account
+    #: (``used_tokens`` against ``quota``, and the rpm/tpm windows), so overlapping old
+    #: and new keys cannot spend a quota twice, and rotating never resets one
+    account_id: str = ""
+
+    def __post_init__(self):
+        if not self.account_id:
+            object.__setattr__(self, "account_id", self.key_id)
 
     @property
     def revoked(self) -> bool:
@@ -144,7 +152,10 @@ class KeyStore(abc.ABC):
         """
 
     def rotate(self, key_id: str) -> tuple[ApiKey, str]:
-        """New key with the same name/scopes/limits/quota usage/Ed25519 key.
+        """New key with the same name/scopes/limits/Ed25519 key and the same account:
+        the old and the new key draw on one ``used_tokens`` counter and one set of
+        rate windows (``ApiKey.account_id``), so the overlap until the old key is
+        revoked cannot double a quota or a rate, and a rotation never refunds usage.
 
         The old key stays valid until revoked.  Raises KeyNotFound, ValueError
         (rotating a revoked key).
@@ -215,10 +226,25 @@ class SQLiteKeyStore(KeyStore):
         with self._lock:
             self._db.close()
 
-    @staticmethod
-    def _row(r) -> ApiKey:
-        return ApiKey(r[0], r[1], frozenset(r[2].split()), r[3], r[4], r[5], r[6], r[7],
-                      r[8], r[9], r[10], r[11])
+    def _account(self, key_id: str, rotated_from: str | None) -> tuple[str, int]:
+        """``(account id, used tokens of the account)``: the root of the rotation chain
+        (followed through ``rotated_from``) and its counter."""
+        root, used = key_id, None
+        seen = {key_id}
+        while rotated_from is not None and rotated_from not in seen:
+            r = self._db.execute("SELECT key_id, rotated_from, used_tokens FROM api_keys "
+                                 "WHERE key_id=?", (rotated_from,)).fetchone()
+            if r is None:
+                break
+            seen.add(r[0])
+            root, rotated_from, used = r[0], r[1], r[2]
+        return root, used
+
+    def _row(self, r) -> ApiKey:
+        account, used = self._account(r[0], r[10])
+        return ApiKey(r[0], r[1], frozenset(r[2].split()), r[3], r[4], r[5],
+                      r[6] if used is None else used, r[7], r[8], r[9], r[10], r[11],
+                      account)
 
     def create(self, name, scopes=("verify",), *, rpm=600, tpm=100_000, quota=None,
                ed25519_public_key=None, _rotated_from=None):
@@ -227,7 +253,7 @@ class SQLiteKeyStore(KeyStore):
             raise ValueError("rpm/tpm must be > 0 and quota >= 0")
         pub = load_ed25519_public_key(ed25519_public_key) if ed25519_public_key else None
         secret = _gen(SECRET_LEN)
-        used = _rotated_from.used_tokens if _rotated_from else 0
+        used = 0                       # a rotation's usage is counted on its account
         with self._lock:
             while True:
                 key_id = _gen(LOOKUP_LEN)
@@ -249,7 +275,7 @@ class SQLiteKeyStore(KeyStore):
         with self._lock:
             r = self._db.execute(f"SELECT {_COLS} FROM api_keys WHERE key_id=?",
                                  (key_id,)).fetchone()
-        return self._row(r) if r else None
+            return self._row(r) if r else None
 
     def list(self, include_revoked=True):
         q = f"SELECT {_COLS} FROM api_keys"
@@ -257,7 +283,7 @@ class SQLiteKeyStore(KeyStore):
             q += " WHERE revoked_at IS NULL"
         with self._lock:
             rows = self._db.execute(q + " ORDER BY created_at, key_id").fetchall()
-        return [self._row(r) for r in rows]
+            return [self._row(r) for r in rows]
 
     def _update(self, key_id: str, sql: str, args: tuple) -> ApiKey:
         with self._lock:
@@ -279,12 +305,14 @@ class SQLiteKeyStore(KeyStore):
         if n < 0:
             raise ValueError("verified_tokens must be >= 0")
         with self._lock:
+            rec = self.get_by_lookup(key_id)
+            if rec is None:
+                raise KeyNotFound(key_id)
             cur = self._db.execute(
                 "UPDATE api_keys SET used_tokens=used_tokens+? WHERE key_id=? "
-                "AND (quota IS NULL OR used_tokens+? <= quota)", (n, key_id, n))
+                "AND (? IS NULL OR used_tokens+? <= ?)",
+                (n, rec.account_id, rec.quota, n, rec.quota))
             rec = self.get_by_lookup(key_id)
-        if rec is None:
-            raise KeyNotFound(key_id)
         if cur.rowcount == 0:
             raise QuotaExceeded(key_id)
         return None if rec.quota is None else rec.quota - rec.used_tokens

@@ -29,7 +29,8 @@ from limits.strategies import MovingWindowRateLimiter
 from cloud_api.auth import error_response
 from cloud_api.keys import ApiKey, KeyStore, QuotaExceeded
 
-__all__ = ["LimitState", "RateLimitExceeded", "RateLimiter", "ratelimit_middleware"]
+__all__ = ["LimitState", "RateLimitExceeded", "RateLimiter", "ratelimit_middleware",
+           "unauthenticated_ip_middleware"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class RateLimitExceeded(Exception):
 
 
 class RateLimiter:
-    """Moving-window limiter keyed by ``ApiKey.key_id``.
+    """Moving-window limiter keyed by ``ApiKey.account_id`` (a key and its rotations
+    share their windows).
 
     Args:
         window_s: window length in seconds (limits are ``rpm``/``tpm`` per window).
@@ -83,7 +85,7 @@ class RateLimiter:
     def hit_request(self, key: ApiKey) -> LimitState:
         """Charge one request; returned state has ``allowed=False`` when over ``rpm``."""
         item = self._item(key.rpm, "sr-req")
-        return self._state(item, key.key_id, self._lim.hit(item, key.key_id))
+        return self._state(item, key.account_id, self._lim.hit(item, key.account_id))
 
     def consume_tokens(self, key: ApiKey, n: int) -> LimitState:
         """Charge ``n`` verified tokens against ``tpm`` (and the quota, if a store is set).
@@ -95,15 +97,15 @@ class RateLimiter:
         """
         if n < 0:
             raise ValueError("n must be >= 0")
-        item = self._item(key.tpm, "sr-tok")
+        item, acct = self._item(key.tpm, "sr-tok"), key.account_id
         if n == 0:
-            return self._state(item, key.key_id, True)
-        if not self._lim.test(item, key.key_id, cost=n):
-            raise RateLimitExceeded(self._state(item, key.key_id, False))
+            return self._state(item, acct, True)
+        if not self._lim.test(item, acct, cost=n):
+            raise RateLimitExceeded(self._state(item, acct, False))
         if self.store is not None:
             self.store.record_usage(key.key_id, n)
-        self._lim.hit(item, key.key_id, cost=n)
-        return self._state(item, key.key_id, True)
+        self._lim.hit(item, acct, cost=n)
+        return self._state(item, acct, True)
 
 
 def ratelimit_middleware(limiter: RateLimiter):
@@ -135,5 +137,42 @@ def ratelimit_middleware(limiter: RateLimiter):
         if not resp.prepared:
             resp.headers.update(state.headers())
         return resp
+
+    return middleware
+
+
+def unauthenticated_ip_middleware(per_window: int, *, window_s: int = 60,
+                                  storage: Storage | None = None):
+    """Per-IP budget for requests that are not authenticated: refused signatures (401)
+    and the public paths (``/healthz``, ``/metrics``). Place it before ``auth_middleware``.
+
+    An IP over ``per_window`` such requests in the moving window gets 429
+    ``too_many_unauthenticated`` with ``retry-after`` before any key lookup or signature
+    check is spent on it. Authenticated requests are never charged (their key's rpm/tpm
+    apply), so signed traffic alone never exhausts the budget; while an address is over
+    it, though, all its requests are refused (the check precedes authentication). The
+    address is the TCP peer (``request.remote``); behind a reverse proxy that is the
+    proxy: rate-limit there, or give the proxy's address a larger budget.
+    """
+    lim = MovingWindowRateLimiter(storage or MemoryStorage())
+    item = RateLimitItemPerSecond(int(per_window), int(window_s), namespace="sr-ip")
+
+    def state(ip: str, allowed: bool) -> LimitState:
+        stats = lim.get_window_stats(item, ip)
+        return LimitState(item.amount, stats.remaining,
+                          max(0.0, stats.reset_time - time.time()), allowed)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        ip = request.remote or "unknown"
+        if not lim.test(item, ip):
+            return error_response(429, "too_many_unauthenticated",
+                                  "too many unauthenticated requests from this address",
+                                  state(ip, False).headers())
+        try:
+            return await handler(request)
+        finally:
+            if request.get("api_key") is None:       # refused, unknown, or public
+                lim.hit(item, ip)
 
     return middleware

@@ -213,3 +213,49 @@ async def test_unsigned_unknown_route_is_404_not_401(client, env):
     assert (await client.post("/v1/echo", data=BODY)).status == 401    # a route: unsigned
     h = env["hmac"].headers("POST", "/v1/echo", BODY)          # signed: checked as before
     assert (await send(client, "POST", "/v1/nope", BODY, h))[0] == 401
+
+
+def test_nonce_cache_refuses_replays_under_eviction_pressure():
+    """Filling the cache never evicts an unexpired nonce: a replay inside the window is
+    still refused, a flood from one key fails closed for that key only, and memory stays
+    within the bounds."""
+    c = NonceCache(ttl_s=600, max_entries=1000, max_per_key=100)
+    assert c.check_and_add("victim", "n-first", 0.0) is True
+    for i in range(5000):                                  # flood from another key
+        c.check_and_add("attacker", f"n{i}", 1.0 + i * 1e-3)
+    assert c.size == 101                                   # 1 + the attacker's share
+    assert c.check_and_add("victim", "n-first", 10.0) is False     # replay refused
+    assert c.check_and_add("attacker", "n-new", 10.0) is None      # its share is full
+    assert c.check_and_add("victim", "n-second", 10.0) is True     # others unaffected
+    for k in range(20):                                    # many keys: the total bound
+        for i in range(100):
+            c.check_and_add(f"k{k}", f"n{i}", 11.0)
+    assert c.size == 1000
+    assert c.check_and_add("victim", "n-first", 12.0) is False
+    assert c.check_and_add("victim", "n-third", 12.0) is None      # full: fail closed
+    assert c.check_and_add("victim", "n-third", 601.5) is True     # the window passed
+    assert c.size < 1000
+
+
+@pytest.mark.asyncio
+async def test_replay_refused_over_http_after_cache_pressure(aiohttp_client, env):
+    """Through the middleware: a request replayed after a flood of fresh requests from
+    the same key is refused as a replay (401), never served."""
+    from aiohttp import web
+
+    cache = NonceCache(ttl_s=600, max_entries=50, max_per_key=10)
+    app = web.Application(middlewares=[auth_middleware(env["store"], nonce_cache=cache)])
+
+    async def echo(request):
+        return web.json_response({"ok": True})
+
+    app.router.add_post("/v1/echo", echo)
+    client = await aiohttp_client(app)
+    first = env["hmac"].headers("POST", "/v1/echo", BODY)
+    assert (await send(client, "POST", "/v1/echo", BODY, first))[0] == 200
+    statuses = [(await send(client, "POST", "/v1/echo", BODY,
+                            env["hmac"].headers("POST", "/v1/echo", BODY)))[0]
+                for _ in range(15)]
+    assert statuses[:9] == [200] * 9 and set(statuses[9:]) == {503}
+    status, body = await send(client, "POST", "/v1/echo", BODY, first)
+    assert status == 401 and body["error"]["code"] == "replayed_nonce"

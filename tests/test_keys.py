@@ -217,3 +217,34 @@ def test_cli_db_on_subcommands_duplicates_and_nulls(tmp_path, monkeypatch):
     assert r.exit_code == 0
     r = runner.invoke(keys, ["list", "--json", "--db", db])
     assert json.loads(r.output.splitlines()[0])["revoked_at"].endswith("Z")
+
+
+def test_rotation_shares_one_account(store):
+    """A key and its rotation draw on one quota counter: the overlap until the old key
+    is revoked cannot spend the quota twice, and rotating refunds nothing."""
+    old, _ = store.create("acct", ["verify"], quota=10)
+    store.record_usage(old.key_id, 6)
+    new, _ = store.rotate(old.key_id)
+    assert new.account_id == old.key_id == store.get_by_lookup(old.key_id).account_id
+    assert new.used_tokens == 6
+    assert store.record_usage(new.key_id, 3) == 1          # 9 of 10 on the account
+    assert store.get_by_lookup(old.key_id).used_tokens == 9
+    with pytest.raises(QuotaExceeded):
+        store.record_usage(old.key_id, 2)                  # the old key sees the same 9
+    newer, _ = store.rotate(new.key_id)
+    assert newer.account_id == old.key_id and newer.used_tokens == 9
+    assert store.record_usage(newer.key_id, 1) == 0
+    with pytest.raises(QuotaExceeded):
+        store.record_usage(new.key_id, 1)
+
+
+def test_rotation_shares_the_rate_windows(store):
+    from cloud_api.ratelimit import RateLimiter
+
+    old, _ = store.create("rate", ["verify"], rpm=2)
+    new, _ = store.rotate(old.key_id)
+    lim = RateLimiter(window_s=60)
+    assert lim.hit_request(old).allowed and lim.hit_request(new).allowed
+    assert not lim.hit_request(old).allowed and not lim.hit_request(new).allowed
+    other, _ = store.create("other", ["verify"], rpm=2)
+    assert lim.hit_request(other).allowed

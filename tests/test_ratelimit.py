@@ -138,3 +138,36 @@ def test_limiter_unit(store):
     with pytest.raises(ValueError):
         lim.consume_tokens(rec, -1)
     assert lim.consume_tokens(rec, 0).remaining == 5
+
+
+def test_unauthenticated_requests_are_limited_per_ip(target, tok, tmp_path):
+    """Refused signatures and public paths share a per-IP budget; past it, 429 with
+    retry-after comes before any signature work; signed requests are not charged and
+    still pass."""
+    import requests
+
+    from cloud_api.app import create_app
+    from cloud_api.keys import SQLiteKeyStore
+    from cloud_api.server import BackgroundServer
+    from edge_sdk.protocol.signing import Signer
+
+    store = SQLiteKeyStore(tmp_path / "k.sqlite3")
+    signer = Signer.from_api_key(store.create("ok", ["verify"])[1])
+    with BackgroundServer(create_app(target, tok, key_store=store,
+                                     unauth_per_window=5)) as s:
+        def signed_get():
+            return requests.get(s.url + "/v1/sessions/1",
+                                headers=signer.headers("GET", "/v1/sessions/1"), timeout=10)
+
+        for _ in range(5):
+            assert signed_get().status_code == 404                  # not charged
+        codes = [requests.get(s.url + "/healthz", timeout=10).status_code
+                 for _ in range(3)]
+        codes += [requests.post(s.url + "/v1/sessions", data=b"\x80", timeout=10).status_code
+                  for _ in range(3)]
+        assert codes == [200, 200, 200, 401, 401, 429]
+        r = requests.get(s.url + "/healthz", timeout=10)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "too_many_unauthenticated"
+        # the check precedes authentication: while over budget the address is refused
+        assert signed_get().status_code == 429
