@@ -52,6 +52,8 @@ class BenchConfig:
             these profiles / workloads (None: all of the run's).
         concurrent_max_new_tokens: tokens per request in concurrent cells (None:
             ``max_new_tokens``).
+        mode_profiles, mode_workloads: per mode name, the profiles / workloads it runs
+            on (None, or a mode not listed: all of the run's).
     """
 
     modes: list = field(default_factory=lambda: ["cloud-ar", "standard-sd", "specrelay",

@@ -156,7 +156,7 @@ def parse_profile(
 ) -> Profile:
     """Build a :class:`Profile` from a name in :data:`PROFILES` and/or CLI-style overrides.
 
-    ``parse_profile("weak")`` → the SPEC profile; ``parse_profile(None, "10mbit",
+    ``parse_profile("weak")`` → the named profile; ``parse_profile(None, "10mbit",
     "50mbit", "60ms")`` → a custom profile named ``"custom"``; overrides on a named
     profile give ``"<name>+custom"``. ``parse_profile(None)`` with no overrides is an
     unshaped pass-through named ``"none"``. See :func:`parse_rate`,

@@ -4,7 +4,7 @@
 
 A mode turns one prompt into a completion through the real HTTP API (the link emulator
 sits in between) and returns a :class:`RequestRecord` whose ``metrics`` is the
-per-request dict that :func:`bench.report.aggregate.aggregate` consumes.
+per-request dict that :func:`bench.report.aggregation.aggregate` consumes.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Benchmark output, one room per concern:
 
-* :mod:`~bench.report.aggregate` — a cell's shared metrics from its per-request counts;
+* :mod:`~bench.report.aggregation` — a cell's shared metrics from its per-request counts;
 * :mod:`~bench.report.cell_metrics` — run-level extras (link bytes, proactive timing,
   depths, concurrent utilisation);
 * :mod:`~bench.report.labels` — profile / workload labels (``weak@c8``, ``medium+slow``);
@@ -12,7 +12,7 @@
 
 The names below are the package's API (``from bench import report``).
 """
-from bench.report.aggregate import BREAKDOWN_PHASES, CORRECTION_MODES, SCALAR_METRICS, aggregate
+from bench.report.aggregation import BREAKDOWN_PHASES, CORRECTION_MODES, SCALAR_METRICS, aggregate
 from bench.report.plots import write_plots
 from bench.report.ratios import compute_ratios, ratio_row, run_index
 from bench.report.schema import load_results, validate_results, write_results

@@ -1,5 +1,5 @@
 """Run-level metrics of one cell (mode x profile x workload) beyond
-:func:`bench.report.aggregate.aggregate`: link-level bytes, proactive-drafting timing
+:func:`bench.report.aggregation.aggregate`: link-level bytes, proactive-drafting timing
 (RAPID), planned depths, and the concurrent cells' utilisation and server counters
 (AsymSpec §IV-C).
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from bench.report.aggregate import aggregate
+from bench.report.aggregation import aggregate
 
 __all__ = ["request_totals", "proactive_timing", "depth_summary", "proactive_totals",
            "concurrent_metrics"]

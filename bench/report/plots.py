@@ -7,7 +7,7 @@ from typing import Iterable
 
 import numpy as np
 
-from bench.report.aggregate import BREAKDOWN_PHASES
+from bench.report.aggregation import BREAKDOWN_PHASES
 
 __all__ = ["write_plots"]
 

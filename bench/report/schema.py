@@ -7,7 +7,7 @@
      "ratios": [{"metric": str, "profile": str, "mode": str, "baseline": str, "value": float}]}
 
 ``metrics`` holds at least the shared scalar metrics of
-:data:`bench.report.aggregate.SCALAR_METRICS` (a number, or ``null`` when it does not
+:data:`bench.report.aggregation.SCALAR_METRICS` (a number, or ``null`` when it does not
 apply), ``correction_mode_counts`` and ``breakdown_s``; extra keys are allowed.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.report.aggregate import BREAKDOWN_PHASES, CORRECTION_MODES, SCALAR_METRICS
+from bench.report.aggregation import BREAKDOWN_PHASES, CORRECTION_MODES, SCALAR_METRICS
 
 __all__ = ["is_num", "validate_results", "write_results", "load_results"]
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.report.aggregate import BREAKDOWN_PHASES, CORRECTION_MODES
+from bench.report.aggregation import BREAKDOWN_PHASES, CORRECTION_MODES
 
 __all__ = ["runs_table", "write_summary_md", "breakdown_md"]
 
