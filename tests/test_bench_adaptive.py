@@ -1,4 +1,4 @@
-"""Adaptive-drafting bench group (issue #5): best-fixed / IPDG / NPDG ratios, the
+"""Adaptive-drafting bench group (RAPID; UCB-SpecStop): best-fixed / IPDG / NPDG ratios, the
 ``+slow`` contention variants and the ``--quick`` preset.
 
 The runner test uses tiny random models (conftest) through the real cloud process,
@@ -124,7 +124,7 @@ def test_cli_quick_passes_the_adaptive_settings(monkeypatch):
 
 def test_adaptive_group_through_the_runner(tmp_path):
     """caac / fixed depths / ipdg / npdg / stop-and-wait on a link and its ``+slow``
-    variant: only the variant is contended, the ratio rows the issue names are in
+    variant: only the variant is contended, the adaptive ratio rows are in
     results.json, proactive timing is reported, greedy outputs are identical."""
     lan = Profile("lan", 200e6, 200e6, rtt_s=0.01)
     slow = Profile("lan+slow", 200e6, 200e6, rtt_s=0.01)

@@ -1,4 +1,4 @@
-"""Issue #6 item 3: the confirmed-prefix pipeline bench mode and its baselines.
+"""The confirmed-prefix pipeline bench mode (AsymSpec §IV-C) and its baselines.
 
 Fast: tiny random models (conftest), one link profile, C = 4 concurrent requests.
 """
