@@ -1,7 +1,9 @@
 """``specrelay bench``: the edge-cloud benchmark from the command line.
 
-Mounted by ``specrelay_cli`` (``from bench.cli import bench``). Heavy imports
-happen inside the command so ``specrelay --help`` stays fast.
+Mounted by ``specrelay_cli`` (``from bench.cli import bench``). This module is the
+option plumbing: options → :class:`bench.config.BenchConfig` → :func:`bench.harness.run_bench`
+→ :func:`bench.console.print_summary`. Heavy imports happen inside the command so
+``specrelay --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -105,10 +107,7 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--no-warmup", is_flag=True, help="Skip the unmeasured warm-up requests.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
-def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new_tokens, seed,
-          depth, concurrent_depth, concurrency, target, dtype, max_wait_ms, draft,
-          edge_slowdown, slowdown_at, edge_load, cloud_cpus,
-          edge_cpus, cloud_threads, edge_threads, insecure_no_auth, no_warmup, no_progress, list_modes):
+def bench(**o):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
     The cloud (target) runs in its own process pinned to one core, the edge (draft +
@@ -116,125 +115,101 @@ def bench(out_dir, quick, modes, profiles, workloads, sampling, prompts, max_new
     Writes OUT/results.json, OUT/summary.md (ratios against the baselines measured in the
     same run) and PNG plots.
     """
+    if o["list_modes"]:
+        _list_modes()
+        return
+    from bench.console import print_summary
+    from bench.harness import run_bench
+
+    cfg = _config(o)
+    t0 = time.perf_counter()
+    try:
+        results = run_bench(cfg, o["out_dir"], progress=not o["no_progress"],
+                            log=lambda s: click.echo(s, err=True))
+    except (ValueError, ImportError) as e:      # ImportError: a peer engine not installed
+        raise click.UsageError(str(e)) from None
+    print_summary(results, o["out_dir"], time.perf_counter() - t0)
+
+
+def _list_modes() -> None:
     from bench import modes as M
 
-    if list_modes:
-        for name in M.mode_names():
-            cls = M.MODES[name]
-            tag = "(peer) " if getattr(cls, "peer", False) else ""
-            click.echo(f"{name:14s} {tag}{'(baseline) ' if cls.baseline else ''}"
-                       f"{cls.description}")
-        return
-    from bench.runner import QUICK, BenchConfig, run_bench
+    for name in M.mode_names():
+        cls = M.MODES[name]
+        tag = "(peer) " if getattr(cls, "peer", False) else ""
+        click.echo(f"{name:14s} {tag}{'(baseline) ' if cls.baseline else ''}"
+                   f"{cls.description}")
+
+
+def _quick_kw(o: dict) -> dict:
+    """The ``--quick`` settings that explicit options do not override: concurrency,
+    per-mode profile/workload restrictions, the concurrent depth and the contention."""
+    from bench.config import QUICK
+
+    kw = dict(concurrency=QUICK["concurrency"],
+              concurrent_max_new_tokens=(None if o["max_new_tokens"] is not None
+                                         else QUICK["concurrent_max_new_tokens"]),
+              concurrent_profiles=(None if o["profiles"] is not None
+                                   else QUICK["concurrent_profiles"]),
+              concurrent_workloads=(None if o["workloads"] is not None
+                                    else QUICK["concurrent_workloads"]),
+              mode_profiles=(None if o["profiles"] is not None or o["modes"] is not None
+                             else QUICK["mode_profiles"]),
+              mode_workloads=(None if o["workloads"] is not None or o["modes"] is not None
+                              else QUICK["mode_workloads"]))
+    if o["concurrent_depth"] is None:
+        kw["concurrent_depth"] = QUICK["concurrent_depth"]
+    if o["edge_slowdown"] == 1.0 and o["slowdown_at"] == 0.0:
+        kw["edge_slowdown"], kw["slowdown_at_s"] = QUICK["edge_slowdown"], QUICK["slowdown_at_s"]
+    return kw
+
+
+def _listed(o: dict) -> dict:
+    """The comma-list and count options, from the command line, else the ``--quick``
+    preset (with ``--quick``), else the defaults."""
+    from bench.config import QUICK
 
     preset = dict(_DEFAULTS)
-    if quick:
+    if o["quick"]:
         preset.update({k: (",".join(map(str, v)) if isinstance(v, list) else v)
                        for k, v in QUICK.items() if k in _DEFAULTS})
-    opts = dict(modes=modes, profiles=profiles, workloads=workloads, sampling=sampling,
-                prompts=prompts, max_new_tokens=max_new_tokens)
-    opts = {k: (preset[k] if v is None else v) for k, v in opts.items()}
-    conc_kw = {}
-    if quick:
-        conc_kw = dict(concurrency=QUICK["concurrency"],
-                       concurrent_max_new_tokens=(None if max_new_tokens is not None
-                                                  else QUICK["concurrent_max_new_tokens"]),
-                       concurrent_profiles=(None if profiles is not None
-                                            else QUICK["concurrent_profiles"]),
-                       concurrent_workloads=(None if workloads is not None
-                                             else QUICK["concurrent_workloads"]),
-                       mode_profiles=(None if profiles is not None or modes is not None
-                                      else QUICK["mode_profiles"]),
-                       mode_workloads=(None if workloads is not None or modes is not None
-                                       else QUICK["mode_workloads"]))
-        if concurrent_depth is None:
-            concurrent_depth = QUICK["concurrent_depth"]
-        if edge_slowdown == 1.0 and slowdown_at == 0.0:
-            edge_slowdown, slowdown_at = QUICK["edge_slowdown"], QUICK["slowdown_at_s"]
+    return {k: (preset[k] if o[k] is None else o[k]) for k in _DEFAULTS}
+
+
+def _concurrency(value: str) -> list[int]:
+    vals = _csv(value)
+    if not vals or not all(v.isdigit() and int(v) >= 1 for v in vals):
+        raise ValueError(f"--concurrency takes a comma list of integers >= 1, got "
+                         f"{value!r}")
+    return [int(v) for v in vals]
+
+
+def _config(o: dict):
+    """The :class:`BenchConfig` of the command's options ``o``. Raises
+    click.BadParameter (exit 2) for a bad list value or an unknown mode."""
+    from bench import modes as M
+    from bench.config import BenchConfig
+
+    opts = _listed(o)
+    kw = _quick_kw(o) if o["quick"] else {}
+    run = {"edge_slowdown": o["edge_slowdown"], "slowdown_at_s": o["slowdown_at"],
+           "concurrent_depth": o["concurrent_depth"]}
+    run.update({k: kw.pop(k) for k in list(run) if k in kw})
     try:
-        if concurrency is not None:
-            vals = _csv(concurrency)
-            if not vals or not all(v.isdigit() and int(v) >= 1 for v in vals):
-                raise ValueError(f"--concurrency takes a comma list of integers >= 1, got "
-                                 f"{concurrency!r}")
-            conc_kw["concurrency"] = [int(v) for v in vals]
+        if o["concurrency"] is not None:
+            kw["concurrency"] = _concurrency(o["concurrency"])
         cfg = BenchConfig(modes=_csv(opts["modes"]), profiles=_csv(opts["profiles"]),
                           workloads=_csv(opts["workloads"]), sampling=_csv(opts["sampling"]),
-                          prompts=opts["prompts"], seed=seed,
-                          max_new_tokens=opts["max_new_tokens"], depth=depth, target=target,
-                          draft=draft, cloud_cpus=_cpus(cloud_cpus),
-                          edge_cpus=_cpus(edge_cpus), cloud_threads=cloud_threads,
-                          edge_threads=edge_threads, auth=not insecure_no_auth,
-                          edge_slowdown=edge_slowdown, slowdown_at_s=slowdown_at,
-                          edge_load=edge_load, warmup=not no_warmup, dtype=dtype,
-                          concurrent_depth=concurrent_depth,
-                          server_kw={"max_wait_s": max_wait_ms / 1000.0}, **conc_kw)
+                          prompts=opts["prompts"], seed=o["seed"],
+                          max_new_tokens=opts["max_new_tokens"], depth=o["depth"],
+                          target=o["target"], draft=o["draft"],
+                          cloud_cpus=_cpus(o["cloud_cpus"]), edge_cpus=_cpus(o["edge_cpus"]),
+                          cloud_threads=o["cloud_threads"], edge_threads=o["edge_threads"],
+                          auth=not o["insecure_no_auth"], edge_load=o["edge_load"],
+                          warmup=not o["no_warmup"], dtype=o["dtype"],
+                          server_kw={"max_wait_s": o["max_wait_ms"] / 1000.0}, **run, **kw)
         for m in cfg.modes:
             M.get_mode(m)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    t0 = time.perf_counter()
-    try:
-        results = run_bench(cfg, out_dir, progress=not no_progress,
-                            log=lambda s: click.echo(s, err=True))
-    except (ValueError, ImportError) as e:      # ImportError: a peer engine not installed
-        raise click.UsageError(str(e)) from None
-    elapsed = time.perf_counter() - t0
-    _print_summary(results, out_dir, elapsed)
-
-
-def _print_summary(results: dict, out_dir: str, elapsed: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console()
-    if not con.is_terminal:          # piped/logged: do not squeeze the tables to 80 columns
-        con = Console(width=160)
-    t = Table(title="specrelay bench")
-    for col in ("mode", "profile", "workload", "tok/s", "TTFT ms", "accept", "tok/round",
-                "up B/tok", "down B/tok"):
-        t.add_column(col, justify="left" if col in ("mode", "profile", "workload") else "right")
-
-    def f(v, scale=1.0, fmt="{:.2f}"):
-        return "–" if v is None else fmt.format(v * scale)
-
-    for r in results["runs"]:
-        m = r["metrics"]
-        t.add_row(r["mode"], r["profile"], r["workload"], f(m["throughput_tok_s"]),
-                  f(m["ttft_s"], 1e3, "{:.0f}"), f(m["acceptance_rate"], 1, "{:.3f}"),
-                  f(m["mean_accepted_length"]), f(m["uplink_bytes_per_token"], 1, "{:.1f}"),
-                  f(m["downlink_bytes_per_token"], 1, "{:.1f}"))
-    con.print(t)
-    conc = [r for r in results["runs"] if r["metrics"].get("concurrency") is not None]
-    if conc:
-        ct = Table(title="concurrent runs (profile@c<concurrency>)")
-        for col in ("mode", "profile", "workload", "tok/s", "passes/tok", "mean batch",
-                    "edge util", "cloud util", "runahead wasted"):
-            ct.add_column(col, justify="left" if col in ("mode", "profile", "workload")
-                          else "right")
-        for r in conc:
-            m = r["metrics"]
-            ct.add_row(r["mode"], r["profile"], r["workload"], f(m["throughput_tok_s"]),
-                       f(m["target_passes_per_token"], 1, "{:.3f}"), f(m.get("mean_batch_size")),
-                       f(m.get("edge_utilisation")), f(m.get("cloud_utilisation")),
-                       str(m.get("runahead_wasted_tokens", 0)))
-        con.print(ct)
-    if results["ratios"]:
-        rt = Table(title="ratios (> 1: mode is better)")
-        for col in ("metric", "profile", "mode", "baseline", "value"):
-            rt.add_column(col, justify="right" if col == "value" else "left")
-        for r in results["ratios"]:
-            rt.add_row(r["metric"], r["profile"], r["mode"], r["baseline"],
-                       f"{r['value']:,.2f}x")
-        con.print(rt)
-    ident = results["config"].get("greedy_outputs_identical")
-    if ident is not None:
-        con.print(f"greedy outputs identical across modes: {ident}")
-    div = results["config"].get("greedy_divergences")
-    if div and div.get("compared"):
-        con.print(f"greedy vs target alone: {div['identical']}/{div['compared']} identical, "
-                  f"near_tie_divergences {div['near_tie_divergences']}, "
-                  f"hard_divergences {div['hard_divergences']}")
-    con.print(f"wrote {out_dir}/results.json, summary.md, throughput.png, "
-              f"latency_breakdown.png, acceptance_hist.png, requests.jsonl "
-              f"in {elapsed:.1f} s")
+    return cfg

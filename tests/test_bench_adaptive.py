@@ -1,4 +1,4 @@
-"""Adaptive-drafting bench group (issue #5): best-fixed / IPDG / NPDG ratios, the
+"""Adaptive-drafting bench group (RAPID; UCB-SpecStop): best-fixed / IPDG / NPDG ratios, the
 ``+slow`` contention variants and the ``--quick`` preset.
 
 The runner test uses tiny random models (conftest) through the real cloud process,
@@ -11,10 +11,14 @@ import os
 
 import pytest
 
-from bench import adaptive as A
 from bench import report
+from bench.cells import profile as _profile
+from bench.config import QUICK, BenchConfig
+from bench.harness import run_bench
 from bench.linkem import Profile
-from bench.runner import QUICK, BenchConfig, _profile, run_bench
+from bench.report.cell_metrics import depth_summary, proactive_timing
+from bench.report.labels import split_contention
+from bench.report.ratios import adaptive_ratios, best_fixed
 from tests.test_bench_runner import PROMPTS, tiny_draft, tiny_target
 
 
@@ -23,8 +27,8 @@ def _run(mode, prof, w, **m):
 
 
 def test_split_contention_and_profile_variant():
-    assert A.split_contention("medium+slow") == ("medium", True)
-    assert A.split_contention("medium") == ("medium", False)
+    assert split_contention("medium+slow") == ("medium", True)
+    assert split_contention("medium") == ("medium", False)
     p = _profile("weak+slow")
     assert p.name == "weak+slow" and p.rtt_s == _profile("weak").rtt_s
     with pytest.raises(ValueError, match="unknown profile"):
@@ -47,11 +51,11 @@ def test_best_fixed_and_ratio_orientation():
         _run("ipdg", "q", "a", tpot_s=0.1, wasted_draft_tokens=0),   # zero: skipped
         _run("npdg", "q", "a", tpot_s=0.1, wasted_draft_tokens=4),
     ]
-    bf = A.best_fixed(runs)
+    bf = best_fixed(runs)
     assert bf["p|a"] == {"mode": "fixed-4", "value": 8.0}
     assert bf["q|a"]["mode"] == "fixed-2"
     rows = {(r["metric"], r["profile"], r["mode"], r["baseline"]): r["value"]
-            for r in A.adaptive_ratios(runs)}
+            for r in adaptive_ratios(runs)}
     assert rows[("throughput_tok_s", "p", "caac", "best-fixed")] == pytest.approx(1.25)
     assert rows[("throughput_tok_s", "q", "caac", "best-fixed")] == pytest.approx(0.5)
     assert rows[("wasted_draft_tokens", "p", "ipdg", "npdg")] == pytest.approx(4.0)
@@ -65,7 +69,7 @@ def test_best_fixed_geomean_over_workloads():
             _run("fixed-2", "p", "b", throughput_tok_s=4.0),
             _run("caac", "p", "a", throughput_tok_s=8.0),
             _run("caac", "p", "b", throughput_tok_s=2.0)]
-    (row,) = [r for r in A.adaptive_ratios(runs) if r["mode"] == "caac"]
+    (row,) = [r for r in adaptive_ratios(runs) if r["mode"] == "caac"]
     assert row["value"] == pytest.approx(1.0)
 
 
@@ -75,12 +79,12 @@ def test_proactive_timing_and_depths():
                             {"t_ready": None, "t_response": 0.4}],
             "depth_hist": [4, 2, 2]},
            {"round_trace": [{"t_ready": 0.5, "t_response": 0.5}], "depth_hist": [1, 0]}]
-    t = A.proactive_timing(per)
+    t = proactive_timing(per)
     assert t["proactive_phases"] == 3
     assert t["proactive_ready_before_response"] == pytest.approx(2 / 3)
     assert t["proactive_ready_minus_response_s"] == pytest.approx(0.0)
-    assert A.proactive_timing([{"round_trace": []}]) == {}
-    d = A.depth_summary(per)
+    assert proactive_timing([{"round_trace": []}]) == {}
+    d = depth_summary(per)
     assert d["depth_mean"] == pytest.approx(9 / 4)
     assert d["depth_counts"] == {"0": 1, "1": 1, "2": 2, "4": 1}
 
@@ -99,11 +103,11 @@ def test_quick_preset_has_the_adaptive_group():
 def test_cli_quick_passes_the_adaptive_settings(monkeypatch):
     from click.testing import CliRunner
 
-    from bench import runner
+    from bench import harness
     from bench.cli import bench
 
     seen = []
-    monkeypatch.setattr(runner, "run_bench", lambda cfg, out_dir, progress=True, log=None:
+    monkeypatch.setattr(harness, "run_bench", lambda cfg, out_dir, progress=True, log=None:
                         seen.append(cfg) or {"config": {}, "runs": [], "ratios": []})
     r = CliRunner().invoke(bench, ["--quick", "--out", "/tmp/x", "--no-progress"])
     assert r.exit_code == 0, r.output
@@ -120,7 +124,7 @@ def test_cli_quick_passes_the_adaptive_settings(monkeypatch):
 
 def test_adaptive_group_through_the_runner(tmp_path):
     """caac / fixed depths / ipdg / npdg / stop-and-wait on a link and its ``+slow``
-    variant: only the variant is contended, the ratio rows the issue names are in
+    variant: only the variant is contended, the adaptive ratio rows are in
     results.json, proactive timing is reported, greedy outputs are identical."""
     lan = Profile("lan", 200e6, 200e6, rtt_s=0.01)
     slow = Profile("lan+slow", 200e6, 200e6, rtt_s=0.01)

@@ -1,4 +1,4 @@
-"""Peer engines in the bench (bench/peers.py): registry, ratio orientation, the
+"""Peer engines in the bench (bench/modes/peers/): registry, ratio orientation, the
 missing-xllamacpp error, a tiny-model run of the transformers peers through run_bench,
 and (real_model) llama.cpp's greedy tokens against the transformers target's.
 """
@@ -17,9 +17,10 @@ from edge_sdk.kvmodel import common_prefix
 
 from bench import report
 from bench.linkem import Profile
-from bench.modes import (BenchRequest, EdgeContext, RunSetup, get_mode,
-                                  mode_names)
-from bench.runner import BenchConfig, ratio_specs, run_bench
+from bench.config import BenchConfig
+from bench.harness import run_bench
+from bench.modes import BenchRequest, EdgeContext, RunSetup, get_mode, mode_names
+from bench.report.ratios import ratio_specs
 from bench.workloads import Prompt
 from edge_sdk.protocol.sampling import SamplingConfig
 from tests.conftest import tiny_model, tiny_tokenizer
@@ -50,14 +51,14 @@ def test_peer_modes_registered_lazily_and_listed():
     assert not get_mode("llamacpp-spec").baseline and not get_mode("hf-assisted").baseline
     assert get_mode("llamacpp-spec").gain_baseline == "llamacpp-ar"
     assert get_mode("hf-assisted").gain_baseline == "hf-ar"
-    from bench import runner
+    from bench.report.identity import same_engine
 
     # the runner's greedy identity / divergence checks leave the peers' other kernels out
-    assert not any(runner._same_engine({"mode": n}) for n in PEERS)
-    assert runner._same_engine({"mode": "specrelay"})
+    assert not any(same_engine({"mode": n}) for n in PEERS)
+    assert same_engine({"mode": "specrelay"})
     # import edge_sdk (and the mode registry itself) does not import the peers
-    code = ("import sys, edge_sdk, bench.modes, bench.runner; "
-            "assert 'bench.peers' not in sys.modules; "
+    code = ("import sys, edge_sdk, bench.modes, bench.harness, bench.cli; "
+            "assert 'bench.modes.peers' not in sys.modules; "
             "assert 'xllamacpp' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
 
@@ -103,9 +104,9 @@ def test_ratio_specs_speculative_gain_orientation():
     assert rows[("specrelay", "cloud-ar")] == pytest.approx(1.5)
     assert rows[("llamacpp-spec", "llamacpp-ar")] == pytest.approx(1.5)   # spec / ar
     assert rows[("hf-assisted", "hf-ar")] == pytest.approx(0.5)           # a slowdown
-    from bench import peers
+    from bench.report.sections import peers_md
 
-    md = peers.summary_md({"config": {"cloud_cpus": [0], "cloud_threads": 1},
+    md = peers_md({"config": {"cloud_cpus": [0], "cloud_threads": 1},
                            "runs": runs, "ratios": report.compute_ratios(runs, specs)})
     assert "Speculative gain" in md
     assert "| llama.cpp | llamacpp-spec | llamacpp-ar | medium | 30.00 | 20.00 | 1.500× |" in md
@@ -116,7 +117,7 @@ def test_ratio_specs_speculative_gain_orientation():
 
 
 def test_missing_xllamacpp_is_one_clear_line(monkeypatch, tmp_path):
-    from bench import peers
+    from bench.modes import peers
 
     monkeypatch.setitem(sys.modules, "xllamacpp", None)      # as if not installed
     run = RunSetup("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "float32", (0,), 1)

@@ -1,4 +1,4 @@
-"""Issue #6 item 3: the confirmed-prefix pipeline bench mode and its baselines.
+"""The confirmed-prefix pipeline bench mode (AsymSpec §IV-C) and its baselines.
 
 Fast: tiny random models (conftest), one link profile, C = 4 concurrent requests.
 """
@@ -11,11 +11,17 @@ import time
 
 import pytest
 
-from bench import pipeline as P
 from bench import report
+from bench.cells import cell_prompts, requests_per_cell
+from bench.cloud_process import parse_prometheus, scrape_server
+from bench.config import QUICK, BenchConfig
+from bench.harness import run_bench
 from bench.linkem import Profile
-from bench.modes import MODES, ConcurrentMode, get_mode
-from bench.runner import QUICK, BenchConfig, run_bench
+from bench.modes import MODES, get_mode
+from bench.modes.concurrent import BusyExecutor, ConcurrentMode
+from bench.report.labels import point_label, split_point
+from bench.report.ratios import (CONCURRENT_BASELINES, STRONGEST, pipeline_ratios,
+                                 strongest_baselines)
 from bench.workloads import Prompt
 from tests.conftest import tiny_model, tiny_tokenizer
 
@@ -76,7 +82,7 @@ def test_concurrent_modes_registered():
         cls = get_mode(name)
         assert issubclass(cls, ConcurrentMode) and cls.concurrent
     assert not MODES["pipeline"].baseline
-    assert all(MODES[b].baseline for b in P.CONCURRENT_BASELINES)
+    assert all(MODES[b].baseline for b in CONCURRENT_BASELINES)
     assert MODES["pipeline"].server_max_batch(16, 8) >= 16       # re-batching on
     assert MODES["no-pipeline"].server_max_batch(16, 8) == 1     # no cross-request batch
     assert MODES["runahead"].server_max_batch(16, 8) == 1
@@ -116,7 +122,7 @@ def test_pipeline_bench_results_valid(bench_run):
         assert set(m["breakdown_s"]) == set(report.BREAKDOWN_PHASES)
     pipe, nop = runs["pipeline"]["metrics"], runs["no-pipeline"]["metrics"]
     assert pipe["server_max_batch"] == 4 and nop["server_max_batch"] == 1
-    for b in P.CONCURRENT_BASELINES:                # no cross-request batching
+    for b in CONCURRENT_BASELINES:                # no cross-request batching
         assert runs[b]["metrics"]["server_max_batch"] == 1
         assert runs[b]["metrics"]["mean_batch_size"] == 1.0
     assert pipe["mean_batch_size"] > 1.3            # re-batched across requests
@@ -157,19 +163,19 @@ def test_pipeline_ratio_rows(bench_run):
     results, out, _ = bench_run
     rows = {(r["metric"], r["profile"], r["mode"], r["baseline"]): r["value"]
             for r in results["ratios"]}
-    key = ("throughput_tok_s", "lan@c4", "pipeline", P.STRONGEST)
+    key = ("throughput_tok_s", "lan@c4", "pipeline", STRONGEST)
     assert key in rows and rows[key] > 0
     runs = {r["mode"]: r["metrics"] for r in results["runs"]}
-    best = max(runs[b]["throughput_tok_s"] for b in P.CONCURRENT_BASELINES)
+    best = max(runs[b]["throughput_tok_s"] for b in CONCURRENT_BASELINES)
     assert rows[key] == pytest.approx(runs["pipeline"]["throughput_tok_s"] / best)
-    assert ("target_passes_per_token", "lan@c4", "pipeline", P.STRONGEST) in rows
-    for b in P.CONCURRENT_BASELINES:             # and against each baseline
+    assert ("target_passes_per_token", "lan@c4", "pipeline", STRONGEST) in rows
+    for b in CONCURRENT_BASELINES:             # and against each baseline
         assert ("throughput_tok_s", "lan@c4", "pipeline", b) in rows
     sb = results["config"]["strongest_baseline"]
-    assert sb["lan@c4|mini"] in P.CONCURRENT_BASELINES
+    assert sb["lan@c4|mini"] in CONCURRENT_BASELINES
     summary = (out / "summary.md").read_text()
     assert "Concurrent runs" in summary and "| pipeline | lan@c4 | mini |" in summary
-    assert P.STRONGEST in summary
+    assert STRONGEST in summary
 
 
 # --------------------------------------------------------------------------- units
@@ -187,31 +193,31 @@ def test_pipeline_ratios_strongest_and_strong_to_weak():
             _run("standard-sd-concurrent", "weak@c8", 0.5),
             _run("specrelay", "weak", 3.0)]          # sequential: not an operating point
     rows = {(r["metric"], r["profile"], r["mode"], r["baseline"]): r["value"]
-            for r in P.pipeline_ratios(runs)}
-    assert rows[("throughput_tok_s", "strong@c8", "pipeline", P.STRONGEST)] == 2.0
-    assert rows[("throughput_tok_s", "weak@c8", "pipeline", P.STRONGEST)] == 4.75
+            for r in pipeline_ratios(runs)}
+    assert rows[("throughput_tok_s", "strong@c8", "pipeline", STRONGEST)] == 2.0
+    assert rows[("throughput_tok_s", "weak@c8", "pipeline", STRONGEST)] == 4.75
     # passes: against the strongest (by throughput) baseline, lower is better
-    assert rows[("target_passes_per_token", "strong@c8", "pipeline", P.STRONGEST)] == \
+    assert rows[("target_passes_per_token", "strong@c8", "pipeline", STRONGEST)] == \
         pytest.approx(5.0)
     assert rows[("throughput_tok_s", "weak@c8", "pipeline", "pipeline@strong@c8")] == 0.95
     assert rows[("throughput_tok_s", "weak@c8", "no-pipeline", "no-pipeline@strong@c8")] == 0.5
     assert not any(k[1] == "weak" for k in rows)
-    assert P.strongest_baselines(runs) == {"strong@c8|mtbench": "runahead",
+    assert strongest_baselines(runs) == {"strong@c8|mtbench": "runahead",
                                            "weak@c8|mtbench": "no-pipeline"}
 
 
 def test_labels_requests_and_prometheus_parsing():
-    assert P.point_label("weak", 8) == "weak@c8"
-    assert P.split_point("weak@c16") == ("weak", 16)
-    assert P.split_point("cellular-edge") == ("cellular-edge", None)
-    assert [P.requests_per_cell(n, 8) for n in (1, 8, 9)] == [8, 8, 16]
-    assert P.requests_per_cell(5, 1) == 5
+    assert point_label("weak", 8) == "weak@c8"
+    assert split_point("weak@c16") == ("weak", 16)
+    assert split_point("cellular-edge") == ("cellular-edge", None)
+    assert [requests_per_cell(n, 8) for n in (1, 8, 9)] == [8, 8, 16]
+    assert requests_per_cell(5, 1) == 5
     ps = PROMPTS["mini"]
-    got = P.cell_prompts(ps, 7)
+    got = cell_prompts(ps, 7)
     assert [p.id for p in got] == ["mini/0", "mini/1", "mini/2", "mini/0#1", "mini/1#1",
                                    "mini/2#1", "mini/0#2"]
     more = ps + [Prompt("mini/3", "mini", "w3", "completion")]
-    assert [p.id for p in P.cell_prompts(ps, 4, more)] == ["mini/0", "mini/1", "mini/2",
+    assert [p.id for p in cell_prompts(ps, 4, more)] == ["mini/0", "mini/1", "mini/2",
                                                            "mini/3"]
     text = ("# HELP specrelay_target_passes_total Target forward passes\n"
             "# TYPE specrelay_target_passes_total counter\n"
@@ -219,13 +225,13 @@ def test_labels_requests_and_prometheus_parsing():
             "specrelay_target_seconds_total 1.5\n"
             'specrelay_batch_size_bucket{le="1.0"} 3.0\n'
             "specrelay_batch_size_sum 30.0\nspecrelay_batch_size_count 12.0\n")
-    s = P.parse_prometheus(text)
+    s = parse_prometheus(text)
     assert s["specrelay_target_passes_total"] == 12.0 and s["specrelay_batch_size_sum"] == 30
     assert not any("{" in k for k in s)
 
 
 def test_busy_executor_counts_busy_seconds():
-    ex = P.BusyExecutor()
+    ex = BusyExecutor()
     try:
         assert ex.submit(time.sleep, 0.05).result() is None
         assert ex.submit(lambda a, b=1: a + b, 1, b=2).result() == 3
@@ -235,14 +241,14 @@ def test_busy_executor_counts_busy_seconds():
 
 
 def test_scrape_server_reads_live_counters(server):
-    m = P.scrape_server(server.url)
+    m = scrape_server(server.url)
     assert set(m) == {"passes", "target_s", "batch_blocks", "batches"}
     assert all(v >= 0 for v in m.values())
 
 
 def test_quick_preset_includes_the_pipeline():
     assert "pipeline" in QUICK["modes"] and QUICK["concurrency"] == [8]
-    assert set(P.CONCURRENT_BASELINES) <= set(QUICK["modes"])
+    assert set(CONCURRENT_BASELINES) <= set(QUICK["modes"])
     assert "weak" in QUICK["concurrent_profiles"]
 
 
@@ -265,7 +271,7 @@ def test_cli_quick_config(monkeypatch):
     run itself is replaced: only the configuration is checked)."""
     from click.testing import CliRunner
 
-    from bench import runner
+    from bench import harness
     from bench.cli import bench
 
     seen = []
@@ -274,11 +280,11 @@ def test_cli_quick_config(monkeypatch):
         seen.append(cfg)
         return {"config": {}, "runs": [], "ratios": []}
 
-    monkeypatch.setattr(runner, "run_bench", fake_run)
+    monkeypatch.setattr(harness, "run_bench", fake_run)
     r = CliRunner().invoke(bench, ["--quick", "--out", "/tmp/x", "--no-progress"])
     assert r.exit_code == 0, r.output
     cfg = seen[-1]
-    assert {"pipeline", *P.CONCURRENT_BASELINES} <= set(cfg.modes)
+    assert {"pipeline", *CONCURRENT_BASELINES} <= set(cfg.modes)
     assert cfg.concurrency == [8]
     assert cfg.concurrent_profiles == QUICK["concurrent_profiles"]
     assert cfg.concurrent_max_new_tokens == 16 and cfg.max_new_tokens == QUICK["max_new_tokens"]
@@ -298,11 +304,11 @@ def test_cli_quick_config(monkeypatch):
 def test_cli_concurrent_depth(monkeypatch):
     from click.testing import CliRunner
 
-    from bench import runner
+    from bench import harness
     from bench.cli import bench
 
     seen = []
-    monkeypatch.setattr(runner, "run_bench", lambda cfg, out_dir, progress=True, log=None:
+    monkeypatch.setattr(harness, "run_bench", lambda cfg, out_dir, progress=True, log=None:
                         seen.append(cfg) or {"config": {}, "runs": [], "ratios": []})
     r = CliRunner().invoke(bench, ["--modes", "pipeline", "--concurrent-depth", "2",
                                    "--depth", "4", "--out", "/tmp/x", "--no-progress"])

@@ -17,9 +17,12 @@ import torch
 
 from bench import report
 from bench.linkem import Profile
-from bench.modes import (MODES, BenchMode, CloudStreamClient, breakdown, get_mode,
-                                  register_mode)
-from bench.runner import BenchConfig, EdgeLoad, SlowdownDrafter, run_bench
+from bench.config import BenchConfig
+from bench.contention import EdgeLoad, SlowdownDrafter
+from bench.harness import run_bench
+from bench.modes import MODES, BenchMode, get_mode, register_mode
+from bench.modes.cloud_stream import CloudStreamClient
+from bench.modes.measure import breakdown
 from bench.workloads import Prompt
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.protocol.sampling import SamplingConfig

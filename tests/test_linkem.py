@@ -21,12 +21,11 @@ from bench.linkem import (
     LinkEmulatorThread,
     LinkStats,
     Profile,
-    _ConnState,
-    _Link,
     parse_duration,
     parse_profile,
     parse_rate,
 )
+from bench.linkem.emulator import _ConnState, _Link
 
 MBIT = 1e6
 

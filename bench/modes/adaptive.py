@@ -1,0 +1,56 @@
+"""Adaptive drafting: depth controllers (CAAC from RAPID, UCB-SpecStop, transformers'
+heuristic), proactive drafting (RAPID's IPDG; NPDG as the non-interruptible baseline),
+fixed depths (the candidates for ``best-fixed``) and prompt-lookup n-gram drafts. All
+use the compact protocol through :class:`~bench.modes.edge_rounds.EdgeClientMode`.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from bench.modes.edge_rounds import EdgeClientMode
+from bench.modes.registry import register_mode
+
+__all__ = ["ADAPTIVE_MODES"]
+
+
+class _AdaptiveMode(EdgeClientMode):
+    """The compact protocol with a depth controller (RAPID; UCB-SpecStop) and/or proactive
+    drafting (RAPID); compared by :func:`bench.report.ratios.adaptive_ratios` only (no generic
+    ratio rows)."""
+
+    adaptive: ClassVar[bool] = True
+
+
+def _adaptive_mode(name: str, description: str, baseline: bool = False, **attrs) -> type:
+    """Register an :class:`_AdaptiveMode` subclass (``attrs``: ``client_kw``,
+    ``fixed_depth``, ``ngram``)."""
+    cls_name = "".join(p.capitalize() for p in name.replace("-", " ").split()) + "Mode"
+    return register_mode(type(cls_name, (_AdaptiveMode,), {
+        "name": name, "description": description, "baseline": baseline,
+        "__doc__": description, **attrs}))
+
+
+ADAPTIVE_MODES = [
+    _adaptive_mode("sr-heuristic", "specrelay, transformers' heuristic depth (+2 full "
+                   "accept, -1 else)", client_kw={"controller": "heuristic"}),
+    _adaptive_mode("caac", "specrelay, CAAC depth controller (RAPID), stop-and-wait",
+                   client_kw={"controller": "caac"}),
+    _adaptive_mode("sr-ucb", "specrelay, UCB-SpecStop depth bandit (delay-bucket context)",
+                   client_kw={"controller": "ucb-specstop"}),
+    _adaptive_mode("rapid", "specrelay, CAAC + IPDG (interruptible proactive drafting)",
+                   client_kw={"controller": "caac", "proactive": "ipdg"}),
+    _adaptive_mode("rapid-npdg", "specrelay, CAAC + NPDG (non-interruptible proactive "
+                   "baseline)", client_kw={"controller": "caac", "proactive": "npdg"}),
+    _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
+                   "proactive drafting)", client_kw={"proactive": "ipdg"}),
+    _adaptive_mode("npdg", "baseline: fixed depth --depth + NPDG (proactive drafting that "
+                   "runs to its planned depth whatever the verdict)", baseline=True,
+                   client_kw={"proactive": "npdg"}),
+    _adaptive_mode("stop-and-wait", "baseline: fixed depth --depth, no proactive drafting "
+                   "(the edge idles while a block is verified)", baseline=True),
+    *[_adaptive_mode(f"fixed-{n}", f"baseline: stop-and-wait at depth {n} (candidates for "
+                     "best-fixed)", baseline=True, fixed_depth=n) for n in range(1, 9)],
+    _adaptive_mode("sr-ngram", "specrelay, prompt-lookup n-gram drafts, model where no "
+                   "match", ngram=True),
+]
+"""The adaptive modes: controllers, proactive drafting, fixed depths, n-gram."""

@@ -1,0 +1,59 @@
+"""The mode registry: mode name → :class:`~bench.modes.base.BenchMode` subclass.
+
+Built-in modes register when :mod:`bench.modes` is imported; the peer engines
+(:data:`PLUGIN_MODULES`) on the first lookup, never by ``import edge_sdk`` or
+``import bench.modes``.
+"""
+from __future__ import annotations
+
+from bench.modes.base import BenchMode
+
+__all__ = ["MODES", "PLUGIN_MODULES", "load_plugins", "register_mode", "get_mode",
+           "mode_names"]
+
+MODES: dict[str, type[BenchMode]] = {}
+"""Mode name → class. Fill with :func:`register_mode`."""
+
+PLUGIN_MODULES = ("bench.modes.peers",)
+"""Modules that register more modes, imported on first lookup (:func:`load_plugins`),
+not when ``edge_sdk`` or this module is imported."""
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Import :data:`PLUGIN_MODULES` once (they call :func:`register_mode`)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    import importlib
+
+    for mod in PLUGIN_MODULES:
+        importlib.import_module(mod)
+
+
+def register_mode(cls: type[BenchMode]) -> type[BenchMode]:
+    """Class decorator adding a :class:`BenchMode` subclass to :data:`MODES` by its
+    ``name``. Raises ValueError for an empty or already registered name."""
+    if not cls.name:
+        raise ValueError("a bench mode needs a name")
+    if cls.name in MODES and MODES[cls.name] is not cls:
+        raise ValueError(f"bench mode {cls.name!r} is already registered")
+    MODES[cls.name] = cls
+    return cls
+
+
+def get_mode(name: str) -> type[BenchMode]:
+    """The mode class for ``name``. Raises ValueError listing the known modes."""
+    if name not in MODES:
+        load_plugins()
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown bench mode {name!r}; choose from {mode_names()}") from None
+
+
+def mode_names() -> list[str]:
+    """Registered mode names (plugins included), in registration order."""
+    load_plugins()
+    return list(MODES)

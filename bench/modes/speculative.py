@@ -1,0 +1,34 @@
+"""The compact asymmetric protocol (AsymSpec): per draft position the edge uploads only
+``(token, q(token))`` and applies the staged correction itself.
+
+* ``specrelay`` — fixed depth ``--depth``, stop-and-wait;
+* ``sr-ahead`` — the same with IPDG (RAPID's interruptible proactive drafting) and blocks
+  sent ahead (``send_ahead``): the cloud verifies back to back on proactive hits.
+"""
+from __future__ import annotations
+
+from bench.modes.edge_rounds import EdgeClientMode
+from bench.modes.registry import register_mode
+
+__all__ = ["SpecRelayMode", "SpecRelayAheadMode"]
+
+
+@register_mode
+class SpecRelayMode(EdgeClientMode):
+    """The compact asymmetric protocol at a fixed depth."""
+
+    name = "specrelay"
+    description = "AsymSpec compact protocol, fixed depth"
+    client_mode = "asym"
+
+
+@register_mode
+class SpecRelayAheadMode(EdgeClientMode):
+    """The compact protocol at a fixed depth with pipelined verification: IPDG drafts
+    the next block while one is verified and sends it ahead (``send_ahead``), so the
+    cloud verifies back to back on proactive hits."""
+
+    name = "sr-ahead"
+    description = "specrelay + IPDG + blocks sent ahead (pipelined verification)"
+    client_mode = "asym"
+    client_kw = {"proactive": "ipdg", "send_ahead": True}
