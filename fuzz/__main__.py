@@ -70,7 +70,8 @@ def _run_all(runs: int, out: str | None) -> int:
     for name in TARGETS:
         t0 = time.monotonic()
         p = subprocess.run([sys.executable, "-m", "fuzz", name, f"-runs={runs}",
-                            "-print_final_stats=1", "-rss_limit_mb=4096"],
+                            "-print_final_stats=1", "-rss_limit_mb=2048",
+                            f"-artifact_prefix={tempfile.gettempdir()}/fuzz-{name}-"],
                            capture_output=True, text=True)
         m = re.search(r"stat::number_of_executed_units:\s*(\d+)", p.stderr)
         rows.append({"target": name, "executions": int(m.group(1)) if m else None,

@@ -135,6 +135,24 @@ def signature_header(data: bytes) -> None:
 
 # ----------------------------------------------------------------------- auth_request
 
+class _Protocol:
+    """What ``aiohttp.web.Request`` and its ``StreamReader`` read from a connection."""
+
+    _reading_paused = False
+    transport = None
+    ssl_context = None
+    peername = ("203.0.113.7", 40000)
+    sockname = ("127.0.0.1", 8000)
+    max_field_size = max_line_length = 8190
+    max_headers = 128
+
+    def pause_reading(self, *args, **kw) -> None:
+        pass
+
+    def resume_reading(self, *args, **kw) -> None:
+        pass
+
+
 class _AuthHarness:
     """The real ``auth_middleware`` over an in-memory key store with one real key."""
 
@@ -146,7 +164,8 @@ class _AuthHarness:
 
         store, raw = ephemeral_key_store("fuzz")
         self.signer = sg.Signer.from_api_key(raw)
-        self.middleware = auth_middleware(store)
+        self._fresh = lambda: auth_middleware(store)
+        self.middleware, self.runs = self._fresh(), 0
         self.loop = asyncio.new_event_loop()
         self.reached = False
 
@@ -169,7 +188,8 @@ class _AuthHarness:
 
         if not hasattr(self, "_parts"):
             t = make_mocked_request("POST", "/", loop=self.loop)
-            self._parts = (t.protocol, t._payload_writer, t.task, t.match_info.route,
+            # a plain protocol object: a Mock would record every call (memory grows)
+            self._parts = (_Protocol(), t._payload_writer, t.task, t.match_info.route,
                            t.match_info.apps[0])
         protocol, writer, task, route, app = self._parts
         h = CIMultiDictProxy(CIMultiDict(headers))
@@ -212,6 +232,9 @@ class _AuthHarness:
                 req = self.request(method, path, headers, body)
             except ValueError:
                 return                               # aiohttp refuses such a header
+        self.runs += 1
+        if self.runs % 10_000 == 0:     # a new nonce cache before one key's share fills
+            self.middleware = self._fresh()
         self.reached = False
         resp = self.loop.run_until_complete(self.middleware(req, self._handler))
         if forged and self.reached:

@@ -24,9 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("name", list(targets.TARGETS))
-def test_short_fuzz_run_finds_nothing(name):
+def test_short_fuzz_run_finds_nothing(name, tmp_path):
     runs = 3000 if name == "auth_request" else 20000
-    p = subprocess.run([sys.executable, "-m", "fuzz", name, f"-runs={runs}"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "fuzz", name, f"-runs={runs}",
+                        "-rss_limit_mb=1024", f"-artifact_prefix={tmp_path}/"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"Done {runs} runs" in p.stderr
