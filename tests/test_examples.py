@@ -111,7 +111,7 @@ def real():
     from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import load_model
     from examples._common import local_server
-    from specrelay_cli import default_draft
+    from specrelay_cli.options import default_draft
 
     target, tok = load_model("smollm2-135m")
     dmodel, _ = load_model(default_draft("smollm2-135m"))
