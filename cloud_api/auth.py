@@ -107,6 +107,94 @@ class NonceCache:
         return True
 
 
+_SIGNED_HEADERS = (sg.H_KEY, sg.H_TIMESTAMP, sg.H_NONCE, sg.H_DIGEST, sg.H_SIGNATURE)
+_UNAUTH = {"WWW-Authenticate": 'SR-Signature realm="specrelay"'}
+
+
+class _Denied(Exception):
+    """A refused request: its JSON error response (401s carry WWW-Authenticate)."""
+
+    def __init__(self, code: str, message: str, status: int = 401,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+        self.headers = headers if headers is not None else (
+            _UNAUTH if status == 401 else None)
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.code, self.message, self.headers)
+
+
+def _signed_parts(request: web.Request):
+    """``(key_id, nonce, digest, timestamp, alg, signature, canonical message)`` of a
+    request carrying every x-sr-* header. Raises _Denied: unparsable values."""
+    h = request.headers
+    key_id, nonce, digest = h[sg.H_KEY], h[sg.H_NONCE], h[sg.H_DIGEST]
+    try:
+        ts = int(h[sg.H_TIMESTAMP])
+        alg, sig = sg.parse_signature_header(h[sg.H_SIGNATURE])
+        msg = sg.canonical_string(
+            alg=alg, key_id=key_id, method=request.method,
+            raw_path=request.rel_url.raw_path or "/",
+            raw_query=request.rel_url.raw_query_string, timestamp=ts,
+            nonce=nonce, content_sha256=digest)
+    except ValueError:
+        raise _Denied("malformed_credentials", "malformed signature headers") from None
+    return key_id, nonce, digest, ts, alg, sig, msg
+
+
+def _check_timestamp(ts: int, now: float, skew_s: float) -> None:
+    """Raises _Denied unless ``ts`` (Unix seconds) is within ``skew_s`` of ``now``."""
+    if ts < now - skew_s:
+        raise _Denied("timestamp_expired", "request timestamp too old")
+    if ts > now + skew_s:
+        raise _Denied("timestamp_in_future", "request timestamp too far in the future")
+
+
+def _check_key(store: KeyStore, key_id: str, alg: str, sig, msg):
+    """The key that signed ``msg``. Raises _Denied: unknown key, an algorithm the key
+    does not allow, a signature that does not verify, or a revoked key (checked after
+    the signature)."""
+    key = store.get_by_lookup(key_id)
+    if key is None:
+        raise _Denied("unknown_key", "unknown API key")
+    if (alg == sg.ALG_HMAC) != (key.ed25519_public_key is None):
+        raise _Denied("algorithm_not_allowed", "signature algorithm not allowed for key")
+    if not sg.verify_signature(alg, sig, msg, hmac_key=key.secret_hash,
+                               ed25519_public_key=key.ed25519_public_key):
+        raise _Denied("invalid_signature", "signature verification failed")
+    if key.revoked:
+        raise _Denied("key_revoked", "API key revoked")
+    return key
+
+
+def _check_nonce(nonces: NonceCache, key_id: str, nonce: str, now: float) -> None:
+    """Raises _Denied: a replayed nonce (401), or a full replay cache (503, fail
+    closed)."""
+    fresh = nonces.check_and_add(key_id, nonce, now)
+    if fresh is None:
+        raise _Denied("nonce_cache_full", "try again later", 503, {"Retry-After": "1"})
+    if not fresh:
+        raise _Denied("replayed_nonce", "nonce already used")
+
+
+async def _authenticate(request: web.Request, store: KeyStore, nonces: NonceCache,
+                        clock: Callable[[], float], skew_s: float):
+    """The :class:`cloud_api.keys.ApiKey` that signed ``request``, checked in the order
+    of the table above. Raises _Denied."""
+    if any(n not in request.headers for n in _SIGNED_HEADERS):
+        raise _Denied("missing_credentials", "request is not signed")
+    key_id, nonce, digest, ts, alg, sig, msg = _signed_parts(request)
+    now = clock()
+    _check_timestamp(ts, now, skew_s)
+    body = await request.read()  # cached: handlers can read it again
+    if not hmac.compare_digest(sg.body_digest(body), digest):
+        raise _Denied("digest_mismatch", "body does not match content digest")
+    key = _check_key(store, key_id, alg, sig, msg)
+    _check_nonce(nonces, key.key_id, nonce, now)
+    return key
+
+
 def auth_middleware(store: KeyStore, *, skew_s: float = 300, nonce_ttl_s: float = 600,
                     public_paths: Iterable[str] = ("/healthz", "/metrics"),
                     scope_rules=DEFAULT_SCOPE_RULES, default_scope: str = "admin",
@@ -129,58 +217,20 @@ def auth_middleware(store: KeyStore, *, skew_s: float = 300, nonce_ttl_s: float 
         raise ValueError("nonce_ttl_s must be >= 2 * skew_s")
     public = frozenset(public_paths)
     nonces = nonce_cache or NonceCache(nonce_ttl_s)
-    headers_needed = (sg.H_KEY, sg.H_TIMESTAMP, sg.H_NONCE, sg.H_DIGEST, sg.H_SIGNATURE)
-    unauth = {"WWW-Authenticate": 'SR-Signature realm="specrelay"'}
-
-    def deny(code: str, msg: str, status: int = 401) -> web.Response:
-        return error_response(status, code, msg, unauth if status == 401 else None)
 
     @web.middleware
     async def middleware(request: web.Request, handler):
         if request.path in public:
             return await handler(request)
-        h = request.headers
-        if any(n not in h for n in headers_needed):
-            if request.match_info.http_exception is not None:
-                return await handler(request)   # no such route / method: 404 / 405
-            return deny("missing_credentials", "request is not signed")
-        key_id, nonce, digest = h[sg.H_KEY], h[sg.H_NONCE], h[sg.H_DIGEST]
+        if request.match_info.http_exception is not None and any(
+                n not in request.headers for n in _SIGNED_HEADERS):
+            return await handler(request)   # no such route / method: 404 / 405
         try:
-            ts = int(h[sg.H_TIMESTAMP])
-            alg, sig = sg.parse_signature_header(h[sg.H_SIGNATURE])
-            msg = sg.canonical_string(
-                alg=alg, key_id=key_id, method=request.method,
-                raw_path=request.rel_url.raw_path or "/",
-                raw_query=request.rel_url.raw_query_string, timestamp=ts,
-                nonce=nonce, content_sha256=digest)
-        except ValueError:
-            return deny("malformed_credentials", "malformed signature headers")
-        now = clock()
-        if ts < now - skew_s:
-            return deny("timestamp_expired", "request timestamp too old")
-        if ts > now + skew_s:
-            return deny("timestamp_in_future", "request timestamp too far in the future")
-        body = await request.read()  # cached: handlers can read it again
-        if not hmac.compare_digest(sg.body_digest(body), digest):
-            return deny("digest_mismatch", "body does not match content digest")
-        key = store.get_by_lookup(key_id)
-        if key is None:
-            return deny("unknown_key", "unknown API key")
-        if (alg == sg.ALG_HMAC) != (key.ed25519_public_key is None):
-            return deny("algorithm_not_allowed", "signature algorithm not allowed for key")
-        if not sg.verify_signature(alg, sig, msg, hmac_key=key.secret_hash,
-                                   ed25519_public_key=key.ed25519_public_key):
-            return deny("invalid_signature", "signature verification failed")
-        if key.revoked:
-            return deny("key_revoked", "API key revoked")
-        fresh = nonces.check_and_add(key.key_id, nonce, now)
-        if fresh is None:
-            return error_response(503, "nonce_cache_full", "try again later",
-                                  {"Retry-After": "1"})
-        if not fresh:
-            return deny("replayed_nonce", "nonce already used")
-        if scope_for_path(request.path, scope_rules, default_scope) not in key.scopes:
-            return deny("insufficient_scope", "API key lacks the required scope", 403)
+            key = await _authenticate(request, store, nonces, clock, skew_s)
+            if scope_for_path(request.path, scope_rules, default_scope) not in key.scopes:
+                raise _Denied("insufficient_scope", "API key lacks the required scope", 403)
+        except _Denied as d:
+            return d.response()
         request["api_key"] = key
         return await handler(request)
 

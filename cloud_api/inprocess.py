@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from cloud_api.app import CloudService
+from cloud_api.service import CloudService
 from cloud_api.sessions import ApiError
 from edge_sdk.protocol import wire
 from edge_sdk.transport import MSGPACK, RemoteError

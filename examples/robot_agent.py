@@ -19,7 +19,9 @@ Run (headless; starts a local signed server with SmolLM2-135M-Instruct unless ``
     python examples/robot_agent.py --url http://127.0.0.1:8000 --api-key sr_live_... \\
         --instructions my_instructions.txt
 
-Importable: :func:`parse_action`, :class:`Robot`, :class:`LineBuffer`,
+The command language is :mod:`examples.robot_commands` (:func:`parse_action`), the
+simulator :mod:`examples.robot_world` (:class:`Robot`), the prompt
+:mod:`examples.robot_prompt`; this module holds the agent loop: :class:`LineBuffer`,
 :func:`run_round`, :func:`run_agent`, :func:`main`.
 """
 
@@ -29,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,300 +40,17 @@ if __package__ in (None, ""):            # run as a script: make the repo import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples._common import backend, load_draft  # noqa: E402
+from examples.robot_commands import (Action, ParseError, expected_actions,  # noqa: E402
+                                     parse_action, satisfied)
+from examples.robot_prompt import base_messages, observation  # noqa: E402
+from examples.robot_world import (SCRIPTED_INSTRUCTIONS, Outcome, Robot,  # noqa: E402
+                                  default_world)
 
-# ------------------------------------------------------------------------- actions
-
-DIRECTIONS = {"north": (0, 1), "south": (0, -1), "east": (1, 0), "west": (-1, 0),
-              "up": (0, 1), "down": (0, -1), "right": (1, 0), "left": (-1, 0)}
-CANONICAL_DIR = {"up": "north", "down": "south", "right": "east", "left": "west"}
-MOVE_COST, HANDLE_COST = 5, 2
 STOP = ["\ndone"]            # a reply ends with a line "done"
 
 
-class ParseError(ValueError):
-    """A line that is not a robot command."""
-
-
-@dataclass(frozen=True)
-class Action:
-    """One command: kind in move/pick/drop/charge/say/done."""
-
-    kind: str
-    arg: str | None = None        # direction (move), object (pick/drop), text (say)
-    steps: int = 0                # move only
-
-    def __str__(self) -> str:
-        if self.kind == "move":
-            return f"move {self.arg} {self.steps}"
-        return f"{self.kind} {self.arg}" if self.arg else self.kind
-
-
-_NUMBER_WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6,
-                 "seven": 7, "eight": 8, "nine": 9, "ten": 10, "a": 1, "an": 1}
-_DIR = "|".join(DIRECTIONS)
-_NUM = r"\d+|" + "|".join(_NUMBER_WORDS)
-_MOVE = [re.compile(rf"^(?:move|go|walk|drive|head)\s+(?P<dir>{_DIR})\s+(?P<n>{_NUM})"
-                    r"(?:\s+(?:steps?|squares?|cells?|times?))?$"),
-         re.compile(rf"^(?:move|go|walk|drive|head)\s+(?P<n>{_NUM})\s+"
-                    rf"(?:steps?\s+|squares?\s+|cells?\s+)?(?P<dir>{_DIR})$"),
-         re.compile(rf"^(?:move|go|walk|drive|head)\s+(?P<dir>{_DIR})$")]
-_PICK = re.compile(r"^(?:pick\s+up|pick|grab|take|get)\s+(?:the\s+|a\s+|an\s+)?"
-                   r"(?P<obj>[a-z][\w -]*)$")
-_DROP = re.compile(r"^(?:drop|put\s+down|release)(?:\s+(?:the\s+|a\s+)?(?P<obj>[a-z][\w -]*))?$")
-_CHARGE = re.compile(r"^(?:charge|recharge)(?:\s+(?:the\s+|your\s+|my\s+)?battery)?$")
-_SAY = re.compile(r"^(?:say|said|speak|tell)\s*:?\s+(?P<text>.+)$", re.I)
-_DONE = re.compile(r"^(?:done|finished|stop)$")
-
-
-def parse_action(line: str) -> Action:
-    """Parse one reply line into an :class:`Action`.
-
-    Tolerates list markers (``-``, ``1.``), a trailing period and common synonyms
-    (``go``/``walk``, ``pick up``/``grab``, ``put down``, ``2 steps``).
-    Raises:
-        ParseError: the line is no command (blank lines included).
-    """
-    raw = re.sub(r"^\s*(?:[-*\u2022>]+|\d+[.)])\s*", "", line).strip()
-    say = _SAY.match(raw)
-    if say:
-        return Action("say", say.group("text").strip())
-    s = re.sub(r"\s+", " ", raw.lower().rstrip(".!;,")).strip()
-    if not s:
-        raise ParseError("empty line")
-    for i, rx in enumerate(_MOVE):
-        m = rx.match(s)
-        if m:
-            n = m.group("n") if i < 2 else "1"
-            steps = int(n) if n.isdigit() else _NUMBER_WORDS[n]
-            if steps < 1:
-                raise ParseError(f"move needs at least 1 step: {line!r}")
-            d = m.group("dir")
-            return Action("move", CANONICAL_DIR.get(d, d), steps)
-    m = _PICK.match(s)
-    if m:
-        return Action("pick", m.group("obj").strip())
-    m = _DROP.match(s)
-    if m:
-        return Action("drop", (m.group("obj") or "").strip() or None)
-    if _CHARGE.match(s):
-        return Action("charge")
-    if _DONE.match(s):
-        return Action("done")
-    raise ParseError(f"not a command: {line.strip()!r}")
-
-
-# ------------------------------------------------------------------------- simulator
-
-@dataclass
-class Outcome:
-    ok: bool
-    message: str
-
-
-@dataclass
-class Robot:
-    """A grid world: ``x`` east, ``y`` north, both in ``0..size-1``."""
-
-    size: int = 10
-    x: int = 0
-    y: int = 0
-    battery: int = 100
-    held: str | None = None
-    objects: dict = field(default_factory=dict)      # name -> (x, y), not held ones
-    said: list = field(default_factory=list)
-    history: list = field(default_factory=list)      # (action str, ok, message)
-
-    @property
-    def pos(self) -> tuple[int, int]:
-        return (self.x, self.y)
-
-    def state(self) -> str:
-        held = self.held or "nothing"
-        return f"at ({self.x},{self.y}), battery {self.battery}, holding {held}"
-
-    def snapshot(self) -> dict:
-        return {"pos": self.pos, "battery": self.battery, "held": self.held,
-                "objects": {k: tuple(v) for k, v in sorted(self.objects.items())},
-                "said": list(self.said)}
-
-    def _resolve(self, name: str, candidates) -> str | None:
-        """An object name the robot knows, matched by whole name or any of its words
-        ("red cup" -> "cup")."""
-        name = name.lower().strip()
-        if name in candidates:
-            return name
-        for w in reversed(name.split()):
-            if w in candidates:
-                return w
-        return None
-
-    def _where(self, obj: str) -> str:
-        ox, oy = self.objects[obj]
-        dx, dy = ox - self.x, oy - self.y
-        parts = ([f"{abs(dx)} {'east' if dx > 0 else 'west'}"] if dx else []) + \
-                ([f"{abs(dy)} {'north' if dy > 0 else 'south'}"] if dy else [])
-        return f"the {obj} is {' and '.join(parts)} of you"
-
-    def execute(self, a: Action) -> Outcome:
-        """Apply one action; a failed action changes nothing."""
-        out = self._execute(a)
-        self.history.append((str(a), out.ok, out.message))
-        return out
-
-    def _execute(self, a: Action) -> Outcome:
-        if a.kind == "move":
-            dx, dy = DIRECTIONS[a.arg]
-            nx, ny = self.x + dx * a.steps, self.y + dy * a.steps
-            if not (0 <= nx < self.size and 0 <= ny < self.size):
-                return Outcome(False, f"{a} failed: that leaves the {self.size}x{self.size} "
-                                      "grid")
-            cost = MOVE_COST * a.steps
-            if self.battery < cost:
-                return Outcome(False, f"{a} failed: battery too low (battery "
-                                      f"{self.battery}, needs {cost})")
-            self.x, self.y, self.battery = nx, ny, self.battery - cost
-            return Outcome(True, f"{a}: ok")
-        if a.kind == "pick":
-            if self.held and self._resolve(a.arg, {self.held}):
-                return Outcome(True, f"pick {self.held}: ok, already holding it")
-            if self.held:
-                return Outcome(False, f"{a} failed: already holding the {self.held}")
-            obj = self._resolve(a.arg, self.objects)
-            if obj is None:
-                return Outcome(False, f"{a} failed: there is no {a.arg}")
-            if self.objects[obj] != self.pos:
-                return Outcome(False, f"{a} failed: no {obj} here, {self._where(obj)}")
-            if self.battery < HANDLE_COST:
-                return Outcome(False, f"{a} failed: battery too low")
-            del self.objects[obj]
-            self.held, self.battery = obj, self.battery - HANDLE_COST
-            return Outcome(True, f"pick {obj}: ok")
-        if a.kind == "drop":
-            if not self.held:
-                return Outcome(False, f"{a} failed: holding nothing")
-            if a.arg and self._resolve(a.arg, {self.held}) is None:
-                return Outcome(False, f"{a} failed: holding the {self.held}, not {a.arg}")
-            if self.battery < HANDLE_COST:
-                return Outcome(False, f"{a} failed: battery too low")
-            self.objects[self.held] = self.pos
-            obj, self.held, self.battery = self.held, None, self.battery - HANDLE_COST
-            return Outcome(True, f"drop {obj}: ok")
-        if a.kind == "charge":
-            self.battery = 100
-            return Outcome(True, "charge: ok")
-        if a.kind == "say":
-            self.said.append(a.arg)
-            return Outcome(True, f"said {a.arg!r}")
-        if a.kind == "done":
-            return Outcome(True, "done")
-        return Outcome(False, f"unknown action {a.kind}")
-
-
-def default_world() -> Robot:
-    """The scripted scenario's world: a low battery, a cup 3 east, a ball further up."""
-    return Robot(battery=40, objects={"cup": (3, 0), "ball": (3, 4)})
-
-
-SCRIPTED_INSTRUCTIONS = [
-    "move east 3, then pick up the cup",
-    "go north 5 and say I am here",
-    "walk south 2 steps and drop the cup",
-    "say good morning",
-]
-
-# ------------------------------------------------------------------------- checking
-
-_CLAUSE_SPLIT = re.compile(r"\s*,\s*(?:and\s+)?(?:then\s+)?|\s+then\s+|\s+and\s+(?:then\s+)?"
-                           r"(?=(?:move|go|walk|drive|head|pick|grab|take|get|drop|put|"
-                           r"release|charge|recharge|say|speak|tell)\b)", re.I)
-
-
-def expected_actions(instruction: str) -> list[Action] | None:
-    """The commands an instruction asks for, or ``None`` when it cannot be read as a
-    sequence of commands (then completion is not checked).
-
-    ``"move east 3, then pick up the cup"`` -> ``[move east 3, pick cup]``.
-    """
-    clauses = [c for c in _CLAUSE_SPLIT.split(instruction.strip()) if c and c.strip()]
-    try:
-        acts = [parse_action(c) for c in clauses]
-    except ParseError:
-        return None
-    acts = [a for a in acts if a.kind != "done"]
-    return acts or None
-
-
-def _norm_text(t: str | None) -> str:
-    return re.sub(r"[^a-z0-9 ]", "", (t or "").lower()).strip()
-
-
-def satisfied(wanted: list[Action], done: list[Action]) -> bool:
-    """Whether every wanted command is among the successfully executed ones (each
-    executed command matches at most one wanted; ``say`` compares the text without case
-    or punctuation; ``drop`` without an object matches any drop)."""
-    pool = list(done)
-    for w in wanted:
-        for i, a in enumerate(pool):
-            if a.kind != w.kind:
-                continue
-            if w.kind == "say":
-                ok = _norm_text(w.arg) in _norm_text(a.arg)
-            elif w.kind == "drop" and not w.arg:
-                ok = True
-            else:
-                ok = (a.arg, a.steps) == (w.arg, w.steps)
-            if ok:
-                del pool[i]
-                break
-        else:
-            return False
-    return True
-
-
-# ------------------------------------------------------------------------- prompt
-
-SYSTEM = ("You control a robot on a grid. Answer with robot commands only, one per line. "
-          "Commands:\nmove <north|south|east|west> <steps>\npick <object>\ndrop <object>\n"
-          "charge\nsay <text>\ndone\nDo only what the instruction asks, then write done. "
-          "If an observation reports a failure, fix it.")
-
-FEW_SHOT = [
-    [("go north 2 and pick up the ball", "move north 2\npick ball\ndone")],
-    [("say good night", "say good night\ndone")],
-    [("walk east 3 steps, then drop the box", "move east 3\ndrop box\ndone")],
-    [("go west 6", "move west 6\ndone"),
-     ("Observation: move west 6 failed: battery too low (battery 10, needs 30). "
-      "State: at (7,1), battery 10, holding nothing.", "charge\nmove west 6\ndone")],
-    [("grab the key", "pick key\ndone"),
-     ("Observation: pick key failed: no key here, the key is 2 east of you. "
-      "State: at (1,1), battery 90, holding nothing.", "move east 2\npick key\ndone")],
-    [("go south 4 and tell me you arrived", "move south 4\nsay I arrived\ndone")],
-    [("recharge, then greet everyone", "charge\nsay hello everyone\ndone")],
-]
-
-
-def base_messages() -> list[dict]:
-    """System prompt + few-shot turns (each example: user instruction, assistant
-    commands, optionally an observation and the fix)."""
-    msgs = [{"role": "system", "content": SYSTEM}]
-    for example in FEW_SHOT:
-        for user, assistant in example:
-            msgs += [{"role": "user", "content": user},
-                     {"role": "assistant", "content": assistant}]
-    return msgs
-
-
-def observation(results: list[tuple[Action, Outcome]], unparseable: list[str],
-                robot: Robot) -> str:
-    """The next user turn after a round that did not finish cleanly."""
-    parts = [o.message for a, o in results if a.kind != "done"]
-    if unparseable and not results:
-        parts.append("no valid command; answer with commands from the list only")
-    return "Observation: " + ". ".join(parts or ["nothing happened"]) + \
-        f". State: {robot.state()}."
-
-
 # ------------------------------------------------------------------------- agent loop
+
 
 class LineBuffer:
     """Cuts streamed text into complete lines."""
@@ -395,6 +113,65 @@ def _quiet(*_a, **_k):
     pass
 
 
+class _Round:
+    """The lines of one streamed reply, executed as they complete; ``abort`` is set when
+    the stream must be cut off (see :func:`run_round`)."""
+
+    def __init__(self, robot: Robot, max_actions: int, max_bad_lines: int, log):
+        self.robot, self.max_actions, self.max_bad_lines, self.log = (
+            robot, max_actions, max_bad_lines, log)
+        self.streamed: list[str] = []
+        self.at_token: list[int] = []
+        self.lines: list[str] = []
+        self.actions: list[tuple[Action, Outcome]] = []
+        self.bad: list[str] = []
+        self.abort = self.done = False
+        self.bad_run = 0
+
+    def _unparseable(self, line: str, e: ParseError) -> None:
+        if not line.strip():
+            return
+        self.bad.append(line)
+        self.bad_run += 1
+        self.log(f"    [yellow]? skipped unparseable line {line!r} ({e})[/yellow]")
+        if self.bad_run >= self.max_bad_lines:
+            self.log(f"    [yellow]{self.max_bad_lines} unparseable lines in a row: cut "
+                     "off[/yellow]")
+            self.abort = True
+
+    def handle(self, line: str) -> None:
+        """Parse and execute one complete line."""
+        self.lines.append(line)
+        try:
+            a = parse_action(line)
+        except ParseError as e:
+            self._unparseable(line, e)
+            return
+        self.bad_run = 0
+        out = self.robot.execute(a)
+        self.actions.append((a, out))
+        self.at_token.append(len(self.streamed))
+        color = "green" if out.ok else "red"
+        self.log(f"    [{color}]> {a}[/{color}]  {out.message}   "
+                 f"[dim]{self.robot.state()}[/dim]")
+        if not out.ok or a.kind == "done":
+            self.done = a.kind == "done"
+            self.abort = True
+        elif len(self.actions) >= self.max_actions:
+            self.log("    [yellow]too many actions in one reply: cut off[/yellow]")
+            self.abort = True
+
+    async def consume(self, it, buf: LineBuffer) -> None:
+        """Feed the stream's text into ``buf``, handling each complete line, until the
+        stream ends or the round aborts."""
+        async for ev in it:
+            self.streamed.append(ev.text)
+            for line in buf.feed(ev.text):
+                self.handle(line)
+                if self.abort:
+                    return
+
+
 async def run_round(client, robot: Robot, messages: list[dict], *, instruction_index: int = 0,
                     instruction: str = "", round_no: int = 1, max_new_tokens: int = 48,
                     max_actions: int = 8, max_bad_lines: int = 3,
@@ -410,59 +187,22 @@ async def run_round(client, robot: Robot, messages: list[dict], *, instruction_i
     ids = chat_prompt_ids(client.tokenizer, messages)
     gen = client.stream(prompt_ids=ids, max_new_tokens=max_new_tokens, stop=STOP, seed=0)
     it = gen.__aiter__()
-    buf, streamed, at_token = LineBuffer(), [], []
-    lines, actions, bad = [], [], []
-    state = {"abort": False, "done": False, "bad_run": 0}
-
-    def handle(line: str) -> None:
-        lines.append(line)
-        try:
-            a = parse_action(line)
-        except ParseError as e:
-            if line.strip():
-                bad.append(line)
-                state["bad_run"] += 1
-                log(f"    [yellow]? skipped unparseable line {line!r} ({e})[/yellow]")
-                if state["bad_run"] >= max_bad_lines:
-                    log(f"    [yellow]{max_bad_lines} unparseable lines in a row: cut "
-                        "off[/yellow]")
-                    state["abort"] = True
-            return
-        state["bad_run"] = 0
-        out = robot.execute(a)
-        actions.append((a, out))
-        at_token.append(len(streamed))
-        color = "green" if out.ok else "red"
-        log(f"    [{color}]> {a}[/{color}]  {out.message}   [dim]{robot.state()}[/dim]")
-        if not out.ok or a.kind == "done":
-            state["done"] = a.kind == "done"
-            state["abort"] = True
-        elif len(actions) >= max_actions:
-            log("    [yellow]too many actions in one reply: cut off[/yellow]")
-            state["abort"] = True
-
+    buf, rnd = LineBuffer(), _Round(robot, max_actions, max_bad_lines, log)
     try:
-        async for ev in it:
-            streamed.append(ev.text)
-            for line in buf.feed(ev.text):
-                handle(line)
-                if state["abort"]:
-                    break
-            if state["abort"]:
-                break
+        await rnd.consume(it, buf)
     finally:
         await it.aclose()
     res = gen.result()
     finish = res.finish_reason or "aborted"
-    if not state["abort"]:
+    if not rnd.abort:
         rest = buf.flush()
         if rest.strip():
-            handle(rest)
+            rnd.handle(rest)
         if res.finish_reason == "stop" and res.token_ids[-1] not in _eos(client):
-            state["done"] = True      # ended by the stop string "\ndone"
-    return RoundRecord(instruction_index, instruction, round_no, res.text, "".join(streamed),
-                       list(res.token_ids), finish, lines, actions, bad, state["done"],
-                       res.metrics, at_token)
+            rnd.done = True      # ended by the stop string "\ndone"
+    return RoundRecord(instruction_index, instruction, round_no, res.text,
+                       "".join(rnd.streamed), list(res.token_ids), finish, rnd.lines,
+                       rnd.actions, rnd.bad, rnd.done, res.metrics, rnd.at_token)
 
 
 def _eos(client) -> set[int]:

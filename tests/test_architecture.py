@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("edge_sdk", "cloud_api", "exporters", "bench")
+PACKAGES = ("edge_sdk", "cloud_api", "exporters", "bench", "specrelay_cli")
 
 
 def _modules() -> dict[str, Path]:
-    mods = {"specrelay_cli": ROOT / "specrelay_cli.py"}
+    mods = {}
     for pkg in PACKAGES:
         for p in (ROOT / pkg).rglob("*.py"):
             parts = p.relative_to(ROOT).with_suffix("").parts

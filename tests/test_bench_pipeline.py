@@ -45,7 +45,7 @@ def tiny_draft():
 
 def _target_only(prompt_ids: list[list[int]], n: int) -> list[list[int]]:
     """Plain target greedy decoding (the reference every mode must reproduce)."""
-    from cloud_api.app import CloudService
+    from cloud_api.service import CloudService
     from cloud_api.inprocess import InProcessTransport
     from edge_sdk import EdgeClient
 

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import specrelay_cli
+from specrelay_cli.generate import run_generation
 from edge_sdk.drafters.torch import TorchDrafter
 
 BASE = dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=0,
@@ -25,10 +26,10 @@ BASE = dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=0,
     ids=["caac", "heuristic", "ucb", "ipdg-tree", "caac-npdg", "ngram", "depth1"])
 def test_cli_generation_options_keep_the_target_output(opts, server, target, draft, tok):
     prompt = "w5 w9 w12 w3 w7 w5 w9"
-    ref = asyncio.run(specrelay_cli._generate(server.url, None, tok, prompt,
-                                              BASE | {"target_only": True}, None))
-    res = asyncio.run(specrelay_cli._generate(server.url, TorchDrafter(draft), tok, prompt,
-                                              BASE | opts, None))
+    ref = asyncio.run(run_generation(server.url, None, tok, prompt,
+                                      BASE | {"target_only": True}, None))
+    res = asyncio.run(run_generation(server.url, TorchDrafter(draft), tok, prompt,
+                                      BASE | opts, None))
     assert res.token_ids == ref.token_ids and len(ref.token_ids) == 20
     if opts.get("proactive") in ("ipdg", "npdg"):
         assert res.metrics["proactive_rounds"] > 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cloud_api.app import CloudService
+from cloud_api.service import CloudService
 from cloud_api.inprocess import InProcessTransport
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.drafters.torch import TorchDrafter

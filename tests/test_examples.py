@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from examples import chat_app, robot_agent
-from examples.robot_agent import (
-    SCRIPTED_INSTRUCTIONS, Action, LineBuffer, ParseError, Robot, default_world,
-    expected_actions, parse_action, satisfied,
-)
+from examples import chat_app, robot_agent, robot_prompt
+from examples.robot_agent import LineBuffer
+from examples.robot_commands import (Action, ParseError, expected_actions, parse_action,
+                                     satisfied)
+from examples.robot_world import SCRIPTED_INSTRUCTIONS, Robot, default_world
 
 # ----------------------------------------------------------------------- no model
 
@@ -111,7 +111,7 @@ def real():
     from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import load_model
     from examples._common import local_server
-    from specrelay_cli import default_draft
+    from specrelay_cli.options import default_draft
 
     target, tok = load_model("smollm2-135m")
     dmodel, _ = load_model(default_draft("smollm2-135m"))
@@ -192,7 +192,7 @@ def test_robot_round_executes_actions_while_streaming(real):
         async with EdgeClient(b.url, make_drafter(), tok, depth=3, signer=b.signer,
                               chat=False) as c:
             robot = Robot(battery=100, objects={"cup": (3, 0)})
-            msgs = robot_agent.base_messages() + [
+            msgs = robot_prompt.base_messages() + [
                 {"role": "user", "content": "move east 3, then pick up the cup"}]
             return await robot_agent.run_round(c, robot, msgs), robot
 

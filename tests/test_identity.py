@@ -125,7 +125,7 @@ def test_smollm2_greedy_identity(smollm2, real_prompts):
     from edge_sdk.models import load_model
 
     target, tok = smollm2
-    from specrelay_cli import default_draft
+    from specrelay_cli.options import default_draft
 
     draft, _ = load_model(default_draft("smollm2-135m"))
     depths = [(1, 5), (2, 6), (3, 7), (4, 8), (2, 8)]
@@ -156,7 +156,7 @@ def test_smollm2_bfloat16_identity_up_to_bf16_ties(real_prompts):
     logits in [16, 32)); measured on MT-Bench prompts, every divergence sat at a gap of
     exactly 0."""
     from edge_sdk.models import load_model
-    from specrelay_cli import default_draft
+    from specrelay_cli.options import default_draft
 
     target, tok = load_model("smollm2-135m", dtype="bfloat16")
     draft, _ = load_model(default_draft("smollm2-135m"))

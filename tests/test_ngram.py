@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloud_api.app import CloudService
+from cloud_api.service import CloudService
 from cloud_api.inprocess import InProcessTransport
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.drafters.ngram import NgramDrafter, NgramIndex

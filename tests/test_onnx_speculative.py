@@ -9,9 +9,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from cloud_api.app import CloudService, create_app
+from cloud_api.app import create_app
 from cloud_api.inprocess import InProcessTransport
 from cloud_api.server import BackgroundServer
+from cloud_api.service import CloudService
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.drafters.onnx import OnnxDrafter
 from exporters.onnx import export_onnx

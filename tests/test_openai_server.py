@@ -218,7 +218,7 @@ def test_real_smollm2_chat_via_openai_client():
     """SmolLM2-135M-Instruct target, the default draft, chat template: the OpenAI
     endpoint returns exactly what EdgeClient.generate does (greedy)."""
     from edge_sdk.models import load_model
-    from specrelay_cli import default_draft
+    from specrelay_cli.options import default_draft
 
     target, tok = load_model("smollm2-135m")
     dmodel, _ = load_model(default_draft("smollm2-135m"))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_api.app import CloudService
+from cloud_api.service import CloudService
 from cloud_api.inprocess import InProcessTransport
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.control import CAAC, CONTROLLERS, FixedDepth

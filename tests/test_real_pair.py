@@ -23,11 +23,11 @@ pytestmark = pytest.mark.real_model
 
 
 def test_default_dtype_detection_and_override(monkeypatch):
-    import specrelay_cli
     from edge_sdk import models
+    from specrelay_cli import options
 
     # the CLI keeps its own copy of the defaults (fast --help): they must agree
-    assert (specrelay_cli.DEFAULT_TARGET, specrelay_cli.DEFAULT_DRAFT) == (
+    assert (options.DEFAULT_TARGET, options.DEFAULT_DRAFT) == (
         models.DEFAULT_TARGET, models.DEFAULT_DRAFT)
 
     monkeypatch.delenv("SPECRELAY_DTYPE", raising=False)

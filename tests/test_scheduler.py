@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloud_api.app import CloudService
+from cloud_api.service import CloudService
 from cloud_api.inprocess import InProcessTransport
 from edge_sdk import EdgeClient
 from edge_sdk.drafters.torch import TorchDrafter

@@ -1,0 +1,92 @@
+"""The route handlers of the verification API: each decodes its request, calls the
+:class:`cloud_api.service.CloudService` under ``app[SERVICE]`` and encodes the answer
+(msgpack, or JSON for a JSON request). :func:`cloud_api.app.create_app` mounts them."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from cloud_api.context import MSGPACK, SERVICE
+from cloud_api.context import owner as _owner
+from cloud_api.service import CloudService
+from cloud_api.sessions import ApiError
+from edge_sdk.protocol import wire
+
+
+async def _read_control(request: web.Request) -> dict:
+    body = await request.read()
+    if request.content_type == "application/json":
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):   # RecursionError: absurdly deep nesting
+            raise ApiError(400, "bad_request", "body is not valid JSON", "body") from None
+    return wire.unpack(body)
+
+
+def _reply(request: web.Request, obj: dict, status: int = 200) -> web.Response:
+    if request.content_type == "application/json":
+        return web.json_response(obj, status=status)
+    return web.Response(body=wire.pack(obj), status=status, content_type=MSGPACK)
+
+
+async def create_session(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    body = await _read_control(request)
+    return _reply(request, await svc.create(body, _owner(request)), 201)
+
+
+def _msgpack_body(request: web.Request) -> None:
+    """Raises ApiError 415 unless the body is declared msgpack (or left untyped)."""
+    if request.content_type not in (MSGPACK, "application/octet-stream"):
+        raise ApiError(415, "unsupported_media_type", f"the body must be msgpack "
+                       f"({MSGPACK}), not {request.content_type}", "content-type")
+
+
+async def verify(request: web.Request) -> web.Response:
+    _msgpack_body(request)
+    svc: CloudService = request.app[SERVICE]
+    limiter, key = request.get("ratelimiter"), request.get("api_key")
+    charge = None
+    if limiter is not None and key is not None:
+        charge = lambda n: limiter.consume_tokens(key, n)  # noqa: E731
+    out = await svc.verify(request.match_info["sid"], await request.read(), _owner(request),
+                           charge)
+    return web.Response(body=out, content_type=MSGPACK)
+
+
+async def correction(request: web.Request) -> web.Response:
+    _msgpack_body(request)
+    svc: CloudService = request.app[SERVICE]
+    out = await svc.correction(request.match_info["sid"], await request.read(),
+                               _owner(request))
+    return web.Response(body=out, content_type=MSGPACK)
+
+
+async def get_session(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    return web.json_response(svc.sessions.get(request.match_info["sid"],
+                                              _owner(request)).state())
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    request.app[SERVICE].delete(request.match_info["sid"], _owner(request))
+    return web.json_response({"deleted": True})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    svc: CloudService = request.app[SERVICE]
+    return web.json_response({"status": "ok", "sessions": len(svc.sessions),
+                              "vocab_size": svc.verifier.vocab_size,
+                              "tokenizer_hash": svc.fingerprint})
+
+
+def add_routes(app: web.Application) -> None:
+    """Mount the session and health routes on ``app``."""
+    app.router.add_post("/v1/sessions", create_session)
+    app.router.add_post("/v1/sessions/{sid}/verify", verify)
+    app.router.add_post("/v1/sessions/{sid}/correction", correction)
+    app.router.add_get("/v1/sessions/{sid}", get_session)
+    app.router.add_delete("/v1/sessions/{sid}", delete_session)
+    app.router.add_get("/healthz", healthz)

@@ -1,0 +1,134 @@
+"""The verification service behind the API: the target model, its sessions (one KV cache
+each) and the batched verification queue (AsymSpec §IV-B). HTTP-free: the route
+handlers (:mod:`cloud_api.routes`) decode requests and call it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from cloud_api.batcher import VerifyQueue
+from cloud_api.sessions import ApiError, Session, SessionStore
+from cloud_api.verifier import Verifier
+from edge_sdk.kvmodel import KVModel
+from edge_sdk.models import encode_prompt, eos_ids, tokenizer_fingerprint
+from edge_sdk.protocol import wire
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
+__all__ = ["CloudService", "kv_bytes_per_token"]
+
+
+def kv_bytes_per_token(model) -> int:
+    """KV-cache bytes one token costs: layers x 2 (K, V) x kv_heads x head_dim x dtype."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * heads * head_dim * next(model.parameters()).element_size()
+
+
+class CloudService:
+    """Owns the target model, the sessions and the verification queue."""
+
+    def __init__(self, model, tokenizer, *, max_block: int = MAX_DRAFT_TOKENS, max_batch: int = 8,
+                 max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
+                 max_sessions: int = 256, max_sessions_per_key: int = 64,
+                 kv_budget_bytes: int | None = None, threads: int | None = None,
+                 metrics=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.verifier = Verifier(model, max_block)
+        self.sessions = SessionStore(session_ttl_s, max_sessions, max_sessions_per_key,
+                                     kv_budget_bytes, kv_bytes_per_token(model))
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")
+        self.queue = VerifyQueue(self.verifier, self.executor, max_batch, max_wait_s,
+                                 metrics.observe_batch if metrics else None)
+        self.eos = eos_ids(model, tokenizer)
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.threads = threads
+        self.metrics = metrics
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    async def start(self, app=None) -> None:
+        if self.threads:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, torch.set_num_threads, self.threads)
+        self.queue.start()
+
+    async def stop(self, app=None) -> None:
+        await self.queue.stop()
+        self.executor.shutdown(wait=True)
+
+    def lock(self, sid: int) -> asyncio.Lock:
+        return self._locks.setdefault(sid, asyncio.Lock())
+
+    async def create(self, body: dict, owner: str | None) -> dict:
+        V = self.verifier.vocab_size
+        m = wire.decode_session_request(body, V, self.verifier.max_context)
+        if m["vocab_size"] is not None and m["vocab_size"] != V:
+            raise ApiError(422, "vocab_mismatch", f"draft vocabulary {m['vocab_size']} does "
+                           f"not match the target's {V}: draft and target must share a "
+                           "tokenizer", "vocab_size")
+        fp = m["tokenizer_hash"]
+        if fp is not None and fp != self.fingerprint:
+            raise ApiError(422, "tokenizer_mismatch", "the draft's tokenizer differs from "
+                           "the target's: draft and target must share a tokenizer",
+                           "tokenizer_hash")
+        ids = m.get("prompt_ids") or encode_prompt(self.tokenizer, m["prompt"], m["chat"])
+        if len(ids) >= self.verifier.max_context:
+            raise ApiError(422, "context_full", "prompt exceeds the model context", "prompt")
+        self.sessions.check_owner_limit(owner)   # before spending a prefill
+        s = Session(self.sessions.new_id(), owner, m["sampling"], m["seed"], m["mode"],
+                    m["support_k"], m["n_proposals"], m["max_new_tokens"],
+                    KVModel(self.model), list(ids), len(ids))
+        loop = asyncio.get_running_loop()
+        prefill_s = await loop.run_in_executor(self.executor, self.verifier.prefill, s)
+        self.sessions.add(s)
+        if self.metrics is not None:
+            self.metrics.sessions.set(len(self.sessions))
+            self.metrics.evictions.set(self.sessions.evictions)
+        return {**s.state(), "prompt_ids": ids, "vocab_size": V,
+                "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
+                "prefill_s": prefill_s}
+
+    async def verify(self, sid: str, body: bytes, owner: str | None, charge=None) -> bytes:
+        """Verify one block. ``charge(n)`` meters the block's n = g + 1 tokens before the
+        target pass (it raises to refuse; a duplicate is answered without charge)."""
+        s = self.sessions.get(sid, owner)
+        async with self.lock(s.id):
+            digest = hashlib.sha256(body).digest()
+            req = wire.VerifyRequest.decode(body, self.verifier.vocab_size,
+                                            self.verifier.max_block)
+            seen = s.replay.get(req.block_seq)
+            if seen is not None:
+                if seen[0] == digest:     # a retry: same decisions, same draws
+                    return seen[1]
+                raise ApiError(409, "block_seq_reused",
+                               "block_seq already answered with different content",
+                               "block_seq", state=s.state())
+            self.verifier.check(s, req)   # stale blocks are refused before any charge
+            if charge is not None:
+                charge(len(req.tokens) + 1)
+            resp = await self.queue.submit(s, req)
+            self.sessions.enforce(keep=s.id)   # the block grew the KV cache
+            out = resp.encode()
+            if self.metrics is not None:
+                self.metrics.observe_verify(resp, len(req.tokens))
+            s.remember(req.block_seq, digest, out, req.pending_commit is not None)
+            return out
+
+    async def correction(self, sid: str, body: bytes, owner: str | None) -> bytes:
+        s = self.sessions.get(sid, owner)
+        async with self.lock(s.id):
+            req = wire.CorrectionRequest.decode(body, self.verifier.vocab_size)
+            out = self.verifier.correction(s, req).encode()
+            if self.metrics is not None:
+                self.metrics.corrections.labels(
+                    "full_fetch" if req.k is None else "support_fetch").inc()
+            return out
+
+    def delete(self, sid: str, owner: str | None) -> None:
+        s = self.sessions.get(sid, owner)
+        self.sessions.remove(s.id)
+        self._locks.pop(s.id, None)

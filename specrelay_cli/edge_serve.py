@@ -1,0 +1,84 @@
+"""``specrelay edge-serve``: an OpenAI-compatible API on the edge device
+(:mod:`edge_sdk.openai_server`): the draft runs here, the cloud verifies."""
+
+from __future__ import annotations
+
+import click
+
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+from specrelay_cli.options import make_drafter
+
+__all__ = ["edge_serve"]
+
+
+def _draft_and_tokenizer(draft: str | None):
+    """``(drafter, tokenizer, draft spec)``; the tokenizer of the default target when
+    the draft has none (ONNX exports). The draft's runtime and dtype never touch
+    exactness."""
+    if draft is None:
+        from edge_sdk.models import default_draft
+        draft = default_draft()
+    drafter, tok = make_drafter(draft)
+    if tok is None:
+        from edge_sdk.models import DEFAULT_TARGET, load_tokenizer
+
+        tok = load_tokenizer(DEFAULT_TARGET)
+    return drafter, tok, draft
+
+
+@click.command("edge-serve")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="The cloud verification API (specrelay serve).")
+@click.option("--api-key", envvar="SPECRELAY_API_KEY", default=None,
+              help="Key for the cloud API (env SPECRELAY_API_KEY); omit for an "
+                   "--insecure-no-auth server.")
+@click.option("--draft", default=None, help="Draft model (default: the demo draft).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
+              help="Draft depth gamma (tokens per block).")
+@click.option("--model-name", default="specrelay", show_default=True,
+              help="The model name reported to OpenAI clients.")
+@click.option("--default-max-tokens", default=256, show_default=True,
+              help="Chat max_tokens when a request gives none.")
+@click.option("--on-cloud-loss", type=click.Choice(["wait", "draft_only"]),
+              default="wait", show_default=True,
+              help="wait: retry until the cloud is back (never unverified tokens); "
+                   "draft_only: continue with the draft, tokens flagged verified=false.")
+@click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
+              default="ipdg", show_default=True,
+              help="Draft the next block while one is verified (off: stop-and-wait).")
+@click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
+              help="Send a proactive block before the previous verdict (pipelined "
+                   "verification; needs --proactive ipdg|npdg).")
+@click.option("--ca-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="CA certificate to trust for an https:// cloud URL.")
+@click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=10.0,
+              show_default=True, help="Seconds a request waits for an unreachable "
+              "cloud before it is answered 503 (with --on-cloud-loss wait).")
+def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_tokens,
+               on_cloud_loss, proactive, send_ahead, ca_cert, offline_timeout):
+    """Serve an OpenAI-compatible API on the edge (draft here, verify in the cloud).
+
+    Point an OpenAI client at http://HOST:PORT/v1 (any api_key)."""
+    import ssl
+
+    from aiohttp import web
+
+    from edge_sdk.openai_server import create_edge_app
+    from edge_sdk.protocol.signing import Signer
+
+    drafter, tok, draft = _draft_and_tokenizer(draft)
+    signer = Signer.from_api_key(api_key) if api_key else None
+    app = create_edge_app(url, drafter, tok, signer=signer, depth=depth,
+                          model_name=model_name, default_max_tokens=default_max_tokens,
+                          on_cloud_loss=on_cloud_loss, proactive=proactive,
+                          send_ahead=send_ahead and proactive != "off",
+                          offline_timeout_s=offline_timeout,
+                          ssl_context=(ssl.create_default_context(cafile=ca_cert)
+                                       if ca_cert else None))
+    click.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 "
+               f"(draft {draft}, cloud {url})", err=True)
+    # SIGTERM: stop accepting, give in-flight requests a short grace period, then
+    # cancel them (a request waiting out --offline-timeout must not hold the exit)
+    web.run_app(app, host=host, port=port, print=None, shutdown_timeout=3.0)

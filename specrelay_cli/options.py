@@ -1,0 +1,114 @@
+"""What the commands share: the default model pair, the target dtype option, the
+sampling and decoding options of ``generate``/``demo``, and the drafter builder.
+
+Nothing here imports torch or the SDK's client at import time (``specrelay --help``
+stays fast)."""
+
+from __future__ import annotations
+
+import click
+
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
+#: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
+#: which this module does not import at start-up to keep ``--help`` fast).
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b+onnx-int4"
+#: SmolLM2-135M and its trained 6-layer draft: the small pair of the fast tests.
+SMOLLM2_TARGET, SMOLLM2_DRAFT = "smollm2-135m", "smollm2-135m-draft"
+
+
+def default_draft(target: str | None = None) -> str:
+    """The draft paired with ``target`` (``edge_sdk.models.default_draft``)."""
+    from edge_sdk import models
+
+    return models.default_draft(target)
+
+
+DTYPE_CHOICE = ["auto", "float32", "bfloat16"]
+DTYPE_HELP = ("Target dtype. auto = bfloat16 where the CPU has AMX/AVX512-BF16 (a 9-token "
+              "verify pass then costs about a 1-token one; greedy output may differ from "
+              "target-only only at bf16 near-ties, which are counted), else float32 (exact "
+              "greedy identity up to 1e-4 ties).")
+
+
+def make_drafter(spec: str):
+    """A drafter from a model spec with an optional runtime suffix
+    (``qwen2.5-coder-0.5b+onnx-int4``; ``edge_sdk.drafters.runtime``), or an ONNX export
+    folder (``specrelay_onnx.json``).
+
+    Returns ``(drafter, tokenizer or None)``; ONNX folders carry no tokenizer (use the
+    target's: draft and target share it). A first use of an ONNX runtime exports the
+    draft into the cache (~90 s for the 0.5B draft); torch drafts load in ``auto`` dtype
+    (bfloat16 where the CPU computes it natively): the draft never touches exactness."""
+    from edge_sdk.drafters.runtime import build_drafter
+
+    return build_drafter(spec, dtype="auto", echo=lambda m: click.echo(m, err=True))
+
+
+SAMPLING_OPTIONS = [
+    click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0,
+                 show_default=True,
+                 help="0 = greedy (token-for-token identical to the target)."),
+    click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Keep the k most likely tokens (0: all)."),
+    click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True),
+                 default=1.0, show_default=True,
+                 help="Nucleus sampling: the smallest set with this probability mass."),
+    click.option("--repetition-penalty", type=click.FloatRange(min=0.0, min_open=True),
+                 default=1.0, show_default=True, help="1 = off."),
+    click.option("--seed", type=int, default=0, show_default=True,
+                 help="Seed of the edge's and the cloud's draws (same seed, same "
+                 "output)."),
+    click.option("--max-new-tokens", type=click.IntRange(1, 8192), default=96,
+                 show_default=True, help="Tokens to generate (1..8192)."),
+    click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=5.0,
+                 show_default=True, help="Seconds to keep retrying an unreachable API "
+                 "before giving up."),
+    click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6,
+                 show_default=True, help="Draft depth (tokens per block; 6 measured "
+                 "best for the default pair: a 7-token verify pass costs about a "
+                 "1-token one)."),
+    click.option("--controller", type=click.Choice(["fixed", "heuristic", "caac",
+                                                   "ucb-specstop"]),
+                 default="fixed", show_default=True,
+                 help="Draft-depth policy (RAPID; UCB-SpecStop); fixed uses --depth."),
+    click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
+                 default="ipdg", show_default=True, help="Draft the next block while "
+                 "one is verified (RAPID): ipdg interruptible, npdg not, off: "
+                 "stop-and-wait."),
+    click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
+                 help="Pipelined verification: send a proactive block before the "
+                 "previous verdict (the cloud verifies it only if its assumed prefix "
+                 "is confirmed). Needs --proactive ipdg|npdg."),
+    click.option("--proactive-roots", type=click.IntRange(1, MAX_DRAFT_TOKENS),
+                 default=1, show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
+    click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
+                 "of the model draft."),
+    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    click.option("--mode", type=click.Choice(["asym", "standard"]), default="asym",
+                 show_default=True, help="asym: compact protocol; standard: baseline "
+                 "uploading the full draft distribution."),
+    click.option("--target-only", is_flag=True,
+                 help="Generate with the target alone (the identity reference)."),
+    click.option("--chat/--no-chat", default=True, show_default=True,
+                 help="Wrap the prompt in the chat template."),
+    click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
+]
+"""The options of ``generate`` and ``demo``, in their ``--help`` order."""
+
+
+def sampling_options(f):
+    """Decorate a command with :data:`SAMPLING_OPTIONS`."""
+    for o in reversed(SAMPLING_OPTIONS):
+        f = o(f)
+    return f
+
+
+def sampling_config(kw: dict):
+    """The :class:`edge_sdk.SamplingConfig` of the parsed options (raises ValueError on
+    values it refuses)."""
+    from edge_sdk import SamplingConfig
+
+    return SamplingConfig(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+                          repetition_penalty=kw["repetition_penalty"])

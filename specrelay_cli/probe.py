@@ -1,0 +1,56 @@
+"""Pre-flight checks of ``generate``: the ``--url`` is an http(s) URL and a
+verification API answers there, before any model loads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+
+
+def check_url(url: str) -> None:
+    """Raises click.BadParameter unless ``url`` is an http(s) URL with a host."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise click.BadParameter(f"{url!r} is not an http:// or https:// URL",
+                                 param_hint="--url")
+
+
+def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
+    """``GET /healthz`` through the SDK's :class:`Transport` until it answers or ``wait_s``
+    seconds pass (at least one try). Raises click.ClickException with what to do:
+    nothing listening, an untrusted certificate (never retried), or not the API."""
+    import ssl
+    import time
+
+    from edge_sdk.client import UNREACHABLE
+    from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
+
+    ctx = ssl.create_default_context(cafile=ca_cert) if ca_cert else None
+
+    async def once():
+        t = Transport(url, retries=0, timeout_s=5.0, ssl_context=ctx)
+        try:
+            await t.request("GET", "/healthz")
+        finally:
+            await t.close()
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            return asyncio.run(once())
+        except TLSVerifyError as e:
+            raise click.ClickException(str(e)) from None
+        except RemoteError as e:
+            raise click.ClickException(f"{url}/healthz answered HTTP {e.status}: is this a "
+                                       "specrelay verification API?") from None
+        except (*UNREACHABLE, OSError) as e:
+            if time.monotonic() - t0 >= wait_s:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise click.ClickException(
+                    f"cannot reach {url}: is `specrelay serve` running there? ({reason}; "
+                    f"gave up after {time.monotonic() - t0:.0f} s, --offline-timeout "
+                    "waits longer)") from None
+            time.sleep(0.5)

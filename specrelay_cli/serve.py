@@ -1,0 +1,139 @@
+"""``specrelay serve``: the signed verification API for a target model."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from specrelay_cli.options import DEFAULT_TARGET, DTYPE_CHOICE, DTYPE_HELP
+
+__all__ = ["serve"]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raises click.ClickException when ``host:port`` cannot be bound (in use, or not an
+    address of this machine)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror} "
+                                   "(another server holds the port? choose --port)") from None
+
+
+def _check_ports(host: str, port: int, metrics_host: str, metrics_port: int | None) -> None:
+    """Both listeners can be bound (checked before minutes of model loading)."""
+    _check_port_free(host, port)
+    if metrics_port is not None:
+        if metrics_port == port:
+            raise click.BadParameter("must differ from --port", param_hint="--metrics-port")
+        _check_port_free(metrics_host, metrics_port)
+
+
+def _open_key_store(keys_db: str | None):
+    """``(SQLiteKeyStore, what the start-up line says about auth)``; warns on stderr when
+    the store has no active key (every request would be refused)."""
+    from cloud_api.keys import SQLiteKeyStore
+    from cloud_api.keys_cli import db_path
+
+    path = db_path(keys_db)
+    new = not os.path.exists(path)
+    store = SQLiteKeyStore(path)
+    n = len(store.list(include_revoked=False))
+    auth = f"signed requests, key store {path} ({n} active key{'' if n == 1 else 's'})"
+    if n == 0:
+        click.echo(f"WARNING: {'new' if new else 'the'} key store {path} has no active "
+                   "keys, every request will be refused: create one with `specrelay "
+                   f"keys create --name NAME --db {path}`", err=True)
+    return store, auth
+
+
+def _tls_context(tls_cert: str | None, tls_key: str | None):
+    """A server SSL context of the PEM pair, or None (http)."""
+    if not tls_cert:
+        return None
+    import ssl
+
+    ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ssl_ctx.load_cert_chain(tls_cert, tls_key)
+    return ssl_ctx
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--model", default=DEFAULT_TARGET, show_default=True,
+              help="Target: preset, HF path, or file.gguf.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICE), default="auto", show_default=True,
+              help=DTYPE_HELP)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads for the target (default: torch's choice).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Most blocks (of different sessions) verified in one target pass.")
+@click.option("--max-wait-ms", type=click.FloatRange(min=0.0), default=0.0,
+              show_default=True, help="Milliseconds a pass waits for more blocks after "
+              "the first (0: verify at once with whatever has arrived).")
+@click.option("--db", "--keys-db", "keys_db", default=None,
+              help="API key store, as `specrelay keys --db` (default: $SPECRELAY_KEYS_DB, "
+              "else ~/.config/specrelay/keys.sqlite3).")
+@click.option("--insecure-no-auth", is_flag=True,
+              help="Serve WITHOUT request signing (local development only).")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM certificate (chain): serve https.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM private key of --tls-cert.")
+@click.option("--unauth-rpm", type=click.IntRange(min=0), default=600, show_default=True,
+              help="Per-IP budget of unauthenticated requests (refused signatures, "
+                   "/healthz, /metrics) per minute; 0: no limit.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve /metrics on this port of --metrics-host instead of on the API "
+                   "port (which then answers 404 for /metrics).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Interface of --metrics-port.")
+def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
+          insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host):
+    """Serve the signed verification API for a target model.
+
+    \b
+    Examples:
+      specrelay keys create --name robot-7 && specrelay serve
+      specrelay serve --host 0.0.0.0 --tls-cert cert.pem --tls-key key.pem
+      specrelay serve --model smollm2-135m --insecure-no-auth   (local development)
+
+    /healthz and /metrics (Prometheus) answer without a signature; keep /metrics private
+    with --metrics-port (its own listener, default interface 127.0.0.1) or a firewall.
+    Each request is logged on stderr as one JSON line: endpoint, status, seconds,
+    bytes_in, key_id, session (never prompts, tokens or secrets).
+    """
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    _check_ports(host, port, metrics_host, metrics_port)
+    import logging
+
+    from aiohttp import web
+
+    from cloud_api.app import create_app
+    from edge_sdk.models import load_model, resolve_dtype
+
+    store, auth = None, "NONE (--insecure-no-auth: requests are not authenticated)"
+    if not insecure_no_auth:
+        store, auth = _open_key_store(keys_db)
+    ssl_ctx = _tls_context(tls_cert, tls_key)
+    target, tok = load_model(model, dtype=dtype, threads=threads)
+    metrics_address = None if metrics_port is None else (metrics_host, metrics_port)
+    app = create_app(target, tok, key_store=store, max_batch=max_batch,
+                     max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
+                     unauth_per_window=unauth_rpm or None)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    scheme = "https" if ssl_ctx else "http"
+    click.echo(f"serving {model} ({resolve_dtype(dtype)}) on {scheme}://{host}:{port}; "
+               f"auth: {auth}" + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
+                                  if metrics_port else ""), err=True)
+    # our structured access log replaces aiohttp's (which would log user agents etc.)
+    web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30,
+                access_log=None, print=None)
