@@ -102,10 +102,29 @@ def resolve(name_or_path: str) -> ModelSpec:
         p = Path(name_or_path)
         spec = ModelSpec(str(p.parent), p.name)
     else:
+        _check_known(name_or_path)
         spec = ModelSpec(name_or_path)
     if trunc is not None:
         spec = ModelSpec(spec.path, spec.gguf_file, trunc)
     return spec
+
+
+def _check_known(name: str) -> None:
+    """Raises FileNotFoundError (one line naming the choices) unless ``name`` is a local
+    folder or a Hugging Face id already in the local cache (nothing downloads)."""
+    if Path(name).exists():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = "/" in name and isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:                   # not a valid repo id
+        cached = False
+    if not cached:
+        raise FileNotFoundError(
+            f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), not a local "
+            "folder or .gguf file, not a Hugging Face id in the local cache (nothing is "
+            "downloaded)")
 
 
 def _gguf_cache_path(spec: ModelSpec, dtype: str = "float32") -> Path:

@@ -10,6 +10,10 @@ from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # no "Loading weights" bar
+
+#: seconds a round waits for an unreachable cloud before the example gives up
+OFFLINE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -29,6 +33,66 @@ def local_server(target, tokenizer) -> Iterator[Backend]:
 
     with serve(target, tokenizer, name="example-ephemeral") as srv:
         yield Backend(srv.url, srv.signer, srv.api_key)
+
+
+class ExampleError(Exception):
+    """Something the user can fix (no server at --url, a refused key): one line."""
+
+
+def check_server(url: str, api_key: str | None) -> None:
+    """Fail fast, before any model loads: ``url`` answers ``/healthz`` and, with a key,
+    accepts it (a signed ``GET /v1/sessions/0`` is 404 for an accepted key).
+
+    Raises:
+        ExampleError: nothing answers, it is not the API, or the key is refused.
+    """
+    import asyncio
+
+    from edge_sdk.client import UNREACHABLE
+    from edge_sdk.protocol.signing import Signer
+    from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
+
+    async def probe():
+        signer = Signer.from_api_key(api_key) if api_key else None
+        t = Transport(url, signer=signer, retries=0, timeout_s=5.0)
+        try:
+            await t.request("GET", "/healthz")
+            if signer is not None:
+                try:
+                    await t.request("GET", "/v1/sessions/0")
+                except RemoteError as e:
+                    if e.status != 404:
+                        raise ExampleError(f"the API refused the key: {e}") from None
+        finally:
+            await t.close()
+
+    try:
+        asyncio.run(probe())
+    except (*UNREACHABLE, OSError, TLSVerifyError) as e:
+        raise ExampleError(f"cannot reach {url}: is `specrelay serve` running there? "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                           ) from None
+    except RemoteError as e:
+        raise ExampleError(f"{url} is not a specrelay API ({e})") from None
+
+
+def run_main(main) -> None:
+    """Run an example's ``main()``; errors a user can fix end in one ``Error:`` line
+    on stderr and exit status 1."""
+    import sys
+
+    from edge_sdk.client import CloudUnreachable
+    from edge_sdk.transport import RemoteError, TLSVerifyError
+
+    try:
+        main()
+    except (ExampleError, CloudUnreachable, RemoteError, TLSVerifyError,
+            FileNotFoundError) as e:
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(0)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,9 @@ from pathlib import Path
 if __package__ in (None, ""):            # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples._common import backend, load_draft  # noqa: E402
+from examples._common import (  # noqa: E402
+    OFFLINE_TIMEOUT_S, backend, check_server, load_draft, run_main,
+)
 
 STAT_KEYS = ("acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_s",
              "throughput_tok_s", "target_passes_per_token", "uplink_bytes_per_token",
@@ -177,7 +179,7 @@ async def _run(args, url, signer, drafter, tok) -> ChatSession:
 
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
     async with EdgeClient(url, drafter, tok, depth=args.depth, signer=signer,
-                          chat=False) as client:
+                          chat=False, offline_timeout_s=OFFLINE_TIMEOUT_S) as client:
         session = ChatSession(client, args.system, sampling, args.max_new_tokens, args.seed)
         if args.prompt is not None:
             await session.send(args.prompt, on_text=_write)
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None, *, drafter=None, tokenizer=None) -> Chat
     """Run the chat; returns the :class:`ChatSession` (history, last result, streamed
     pieces). ``drafter``/``tokenizer`` skip loading the draft (tests)."""
     args = build_parser().parse_args(argv)
+    if args.url:
+        check_server(args.url, args.api_key)        # fail fast, before models load
     if args.threads:
         import torch
 
@@ -205,4 +209,4 @@ def main(argv: list[str] | None = None, *, drafter=None, tokenizer=None) -> Chat
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

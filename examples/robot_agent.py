@@ -39,7 +39,9 @@ from pathlib import Path
 if __package__ in (None, ""):            # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples._common import backend, load_draft  # noqa: E402
+from examples._common import (  # noqa: E402
+    OFFLINE_TIMEOUT_S, backend, check_server, load_draft, run_main,
+)
 from examples.robot_commands import (Action, ParseError, expected_actions,  # noqa: E402
                                      parse_action, satisfied)
 from examples.robot_prompt import base_messages, observation  # noqa: E402
@@ -338,7 +340,7 @@ async def _run(args, url, signer, drafter, tok, robot, instructions, log) -> Age
     from edge_sdk import EdgeClient
 
     async with EdgeClient(url, drafter, tok, depth=args.depth, signer=signer,
-                          chat=False) as client:
+                          chat=False, offline_timeout_s=OFFLINE_TIMEOUT_S) as client:
         return await run_agent(client, robot, instructions, max_rounds=args.max_rounds,
                                max_new_tokens=args.max_new_tokens, log=log)
 
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None, robot: Robot | None = None, *, drafter=N
     from rich.console import Console
 
     args = build_parser().parse_args(argv)
+    if args.url:
+        check_server(args.url, args.api_key)        # fail fast, before models load
     instructions = load_instructions(args.instructions)
     stream = sys.stderr if args.as_json else sys.stdout
     con = Console(file=stream, width=None if stream.isatty() else 110)
@@ -375,5 +379,4 @@ def main(argv: list[str] | None = None, robot: Robot | None = None, *, drafter=N
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    run_main(main)

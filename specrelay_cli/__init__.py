@@ -59,6 +59,12 @@ class _Group(click.Group):
     optional dependency names its extra, an unreachable API says so. ``--debug`` shows
     the traceback instead."""
 
+    def parse_args(self, ctx, args):
+        # ``specrelay generate ... --debug`` works like ``specrelay --debug generate ...``
+        if "--debug" in args[1:]:
+            args = ["--debug"] + [a for a in args if a != "--debug"]
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)

@@ -26,6 +26,39 @@ def _draft_and_tokenizer(draft: str | None):
     return drafter, tok, draft
 
 
+def _check_options(url: str, host: str, port: int, proactive: str) -> None:
+    """Refuse, before the draft loads: a bad ``--url``, a busy ``--port``, and an
+    explicit ``--send-ahead`` without proactive drafting."""
+    from click.core import ParameterSource
+
+    from specrelay_cli.probe import check_url
+    from specrelay_cli.serve import check_port_free
+
+    check_url(url)
+    check_port_free(host, port)
+    ctx = click.get_current_context()
+    if proactive == "off" and ctx.get_parameter_source("send_ahead") in (
+            ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+        raise click.UsageError("--send-ahead needs --proactive ipdg or npdg")
+
+
+def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
+    """One warning line when the cloud does not answer or refuses the key (edge-serve
+    starts anyway: requests wait for the cloud, /health reports it)."""
+    from specrelay_cli.probe import check_key, probe_api
+
+    try:
+        probe_api(url, ca_cert, 0.0)
+    except click.ClickException as e:
+        click.echo(f"WARNING: {e.format_message()}; starting anyway (requests wait up "
+                   "to --offline-timeout, /health reports the cloud)", err=True)
+        return
+    refused = check_key(url, signer, ca_cert)
+    if refused:
+        click.echo(f"WARNING: the cloud refuses the key ({refused}): every request will "
+                   "fail until --api-key is fixed", err=True)
+
+
 @click.command("edge-serve")
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True,
               help="The cloud verification API (specrelay serve).")
@@ -34,13 +67,13 @@ def _draft_and_tokenizer(draft: str | None):
                    "--insecure-no-auth server.")
 @click.option("--draft", default=None, help="Draft model (default: the demo draft).")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
 @click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
               help="Draft depth gamma (tokens per block).")
 @click.option("--model-name", default="specrelay", show_default=True,
               help="The model name reported to OpenAI clients.")
-@click.option("--default-max-tokens", default=256, show_default=True,
-              help="Chat max_tokens when a request gives none.")
+@click.option("--default-max-tokens", type=click.IntRange(1, 8192), default=256,
+              show_default=True, help="Chat max_tokens when a request gives none (1..8192).")
 @click.option("--on-cloud-loss", type=click.Choice(["wait", "draft_only"]),
               default="wait", show_default=True,
               help="wait: retry until the cloud is back (never unverified tokens); "
@@ -68,8 +101,10 @@ def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_t
     from edge_sdk.openai_server import create_edge_app
     from edge_sdk.protocol.signing import Signer
 
-    drafter, tok, draft = _draft_and_tokenizer(draft)
+    _check_options(url, host, port, proactive)
     signer = Signer.from_api_key(api_key) if api_key else None
+    _warn_about_cloud(url, signer, ca_cert)
+    drafter, tok, draft = _draft_and_tokenizer(draft)
     app = create_edge_app(url, drafter, tok, signer=signer, depth=depth,
                           model_name=model_name, default_max_tokens=default_max_tokens,
                           on_cloud_loss=on_cloud_loss, proactive=proactive,

@@ -11,7 +11,7 @@ import click
 from specrelay_cli.options import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_CHOICE, DTYPE_HELP,
                                    SMOLLM2_DRAFT, default_draft, make_drafter,
                                    sampling_config, sampling_options)
-from specrelay_cli.probe import check_url, probe_api
+from specrelay_cli.probe import check_key, check_url, probe_api
 
 __all__ = ["generate", "demo", "run_generation", "divergence_report", "print_result"]
 
@@ -135,6 +135,10 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
     sampling_config(kw)                              # refuse bad values before any load
     signer = Signer.from_api_key(api_key) if api_key else None
     probe_api(url, ca_cert, kw["offline_timeout"])   # fail fast, before loading models
+    refused = check_key(url, signer, ca_cert)
+    if refused:
+        raise click.ClickException(f"the API refused the key: {refused} (check --api-key "
+                                   "/ SPECRELAY_API_KEY)")
     drafter, tok = (None, None) if kw["target_only"] else make_drafter(
         draft or default_draft(tokenizer))
     tok = tok or load_tokenizer(tokenizer)

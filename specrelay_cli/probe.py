@@ -48,9 +48,38 @@ def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
                                        "specrelay verification API?") from None
         except (*UNREACHABLE, OSError) as e:
             if time.monotonic() - t0 >= wait_s:
-                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                reason = (str(e).splitlines()[0] if str(e) else type(e).__name__).replace(
+                    " ssl:default", "")
                 raise click.ClickException(
                     f"cannot reach {url}: is `specrelay serve` running there? ({reason}; "
                     f"gave up after {time.monotonic() - t0:.0f} s, --offline-timeout "
                     "waits longer)") from None
             time.sleep(0.5)
+
+
+def check_key(url: str, signer, ca_cert: str | None) -> str | None:
+    """Ask the API whether it accepts ``signer``'s key, before any model loads: a signed
+    ``GET /v1/sessions/0`` is answered 404 (no such session) for an accepted key and
+    401/403 for a refused one. Returns None when accepted, else the refusal as one line
+    (``HTTP 401 unknown_key: ...``). Without a signer there is nothing to check."""
+    import ssl
+
+    from edge_sdk.transport import RemoteError, Transport
+
+    if signer is None:
+        return None
+    ctx = ssl.create_default_context(cafile=ca_cert) if ca_cert else None
+
+    async def once():
+        t = Transport(url, signer=signer, retries=0, timeout_s=5.0, ssl_context=ctx)
+        try:
+            await t.request("GET", "/v1/sessions/0")
+        finally:
+            await t.close()
+
+    try:
+        asyncio.run(once())
+    except RemoteError as e:
+        if e.status in (401, 403):
+            return str(e)
+    return None

@@ -11,9 +11,9 @@ from specrelay_cli.options import DEFAULT_TARGET, DTYPE_CHOICE, DTYPE_HELP
 __all__ = ["serve"]
 
 
-def _check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, option: str = "--port") -> None:
     """Raises click.ClickException when ``host:port`` cannot be bound (in use, or not an
-    address of this machine)."""
+    address of this machine); the message names ``option``."""
     import socket
 
     try:
@@ -22,16 +22,16 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror} "
-                                   "(another server holds the port? choose --port)") from None
+                                   f"(another server holds the port? choose {option})") from None
 
 
 def _check_ports(host: str, port: int, metrics_host: str, metrics_port: int | None) -> None:
     """Both listeners can be bound (checked before minutes of model loading)."""
-    _check_port_free(host, port)
+    check_port_free(host, port)
     if metrics_port is not None:
         if metrics_port == port:
             raise click.BadParameter("must differ from --port", param_hint="--metrics-port")
-        _check_port_free(metrics_host, metrics_port)
+        check_port_free(metrics_host, metrics_port, "--metrics-port")
 
 
 def _open_key_store(keys_db: str | None):

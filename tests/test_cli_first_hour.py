@@ -266,3 +266,59 @@ def test_serve_metrics_port_is_checked_before_loading():
         r, dt = run("serve", "--port", str(_free_port()), "--metrics-port",
                     str(busy.getsockname()[1]))
         assert "in use" in one_line_error(r) and dt < 5
+
+
+def test_generate_checks_the_key_before_loading_the_draft(tmp_path, target, tok):
+    """A refused key is reported in seconds, before the draft loads (the bogus --draft
+    would fail later), and an unknown model name is one line, not a hub traceback."""
+    from cloud_api.keys import SQLiteKeyStore
+    from edge_sdk.protocol import signing as sg
+
+    store = SQLiteKeyStore(tmp_path / "k.sqlite3")
+    _, raw = store.create("ok", ["verify"])
+    stranger = sg.format_api_key("Q" * sg.LOOKUP_LEN, "s" * 32)
+    with BackgroundServer(create_app(target, tok, key_store=store)) as srv:
+        r, dt = run("generate", "Hi", "--url", srv.url, "--api-key", stranger,
+                    "--draft", "nosuch-model")
+        msg = one_line_error(r)
+        assert "refused the key" in msg and "unknown_key" in msg and dt < 5
+        r, _ = run("generate", "Hi", "--url", srv.url, "--api-key", raw, "--draft",
+                   "nosuch-model", "--debug")               # --debug after the command
+        assert r.exit_code != 0 and isinstance(r.exception, FileNotFoundError)
+        r, _ = run("generate", "Hi", "--url", srv.url, "--api-key", raw, "--draft",
+                   "nosuch-model")
+        assert "unknown model 'nosuch-model': not a preset" in one_line_error(r)
+
+
+def test_serve_names_an_unknown_model_in_one_line():
+    r, _ = run("serve", "--model", "nosuch", "--insecure-no-auth", "--port",
+               str(_free_port()))
+    assert "unknown model 'nosuch'" in one_line_error(r)
+
+
+def test_edge_serve_checks_its_options_before_loading():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases = [(("--port", "99999"), "--port"), (("--url", "foo"), "--url"),
+                 (("--proactive", "off", "--send-ahead"), "--send-ahead needs"),
+                 (("--default-max-tokens", "0"), "--default-max-tokens"),
+                 (("--port", str(busy.getsockname()[1])), "choose --port")]
+        for args, want in cases:
+            r, dt = run("edge-serve", *args)
+            assert want in r.output and r.exit_code != 0 and dt < 3, (args, r.output)
+            assert "Traceback" not in r.output
+
+
+def test_examples_fail_fast_on_a_dead_url():
+    import subprocess
+    import sys
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    for cmd in (["examples/robot_agent.py"], ["examples/chat_app.py", "--prompt", "hi"]):
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, *cmd, "--url", url], capture_output=True,
+                           text=True, timeout=60)
+        lines = [x for x in p.stderr.splitlines() if x.strip()]
+        assert p.returncode == 1 and time.monotonic() - t0 < 20, p.stderr
+        assert lines[-1].startswith(f"Error: cannot reach {url}") and len(lines) == 1
