@@ -172,7 +172,8 @@ class EdgeClient:
         Args:
             prompt: text (chat-templated when ``chat``), or pass ``prompt_ids=[...]``.
             sampling: :class:`SamplingConfig` (default greedy); max_new_tokens (tokens);
-            stop: stop strings; seed: RNG seed (edge and cloud draws);
+            stop: stop strings; seed: RNG seed of every edge and cloud draw
+                (``edge_sdk.protocol.rng``);
             target_only: generate with the target alone (blocks of depth 0);
             depth: fixed draft depth for this request (overrides the controller);
             controller: depth controller for this request (as in :class:`EdgeClient`).

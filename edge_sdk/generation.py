@@ -65,10 +65,10 @@ class Generation:
 
     def _params(self) -> SessionParams:
         c = self.c
+        draft_vocab = c.drafter.vocab_size if c.drafter is not None else None
         return SessionParams(self.cfg, self.seed, c.mode, c.support_k, c.n_proposals,
-                             tokenizer_fingerprint(c.tokenizer),
-                             c.drafter.vocab_size if c.drafter is not None else None,
-                             len(c.tokenizer))
+                             tokenizer_fingerprint(c.tokenizer), draft_vocab,
+                             draft_vocab if draft_vocab is not None else len(c.tokenizer))
 
     def result(self) -> GenerationResult:
         cm = self.committer

@@ -31,8 +31,8 @@ class SessionParams:
     """What session create sends besides the prompt (fixed for one request).
 
     mode: ``asym`` or ``standard``; support_k, n_proposals: correction stage sizes;
-    draft_vocab: the drafter's vocabulary size (None: no drafter); vocab: the
-    tokenizer's size (bounds ``support_k`` when there is no drafter).
+    draft_vocab: the drafter's vocabulary size (None: no drafter); vocab: the edge's
+    vocabulary size (the drafter's, else the tokenizer's; bounds ``support_k``).
     """
 
     cfg: SamplingConfig
@@ -50,8 +50,7 @@ class SessionParams:
                 "max_new_tokens": max_new, "tokenizer_hash": self.tokenizer_hash,
                 "mode": self.mode, "support_k": self.support_k,
                 "n_proposals": self.n_proposals}
-        vocab = self.draft_vocab if self.draft_vocab is not None else self.vocab
-        body["support_k"] = max(1, min(self.support_k, vocab))      # K <= V
+        body["support_k"] = max(1, min(self.support_k, self.vocab))      # K <= V
         if self.draft_vocab is not None:
             body["vocab_size"] = self.draft_vocab
         return body
