@@ -6,8 +6,6 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from edge_sdk.kvmodel import KVModel
 from edge_sdk.protocol.sampling import SamplingConfig
 
@@ -80,10 +78,6 @@ class Session:
         self.replay[block_seq] = (digest, out)
         while len(self.replay) > self.REPLAY_BLOCKS:
             self.replay.pop(min(self.replay))
-
-    def generator(self, block_seq: int) -> torch.Generator:
-        """Per-block RNG: replays of a block (same seed, same seq) draw identically."""
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + block_seq) % (2**63))
 
     def check_kv(self) -> None:
         expected = self.tokens if self.awaiting else self.tokens[:-1]

@@ -52,6 +52,7 @@ from aiohttp import web
 
 from cloud_api.context import SERVICE, owner
 from cloud_api.sessions import ApiError, Session
+from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol import wire
 
@@ -64,26 +65,17 @@ STREAM_NDJSON = "application/x-ndjson"
 
 def _generator(s: Session) -> torch.Generator:
     """Seeded by (session seed, confirmed length): replaying a stream redraws the same."""
-    return torch.Generator().manual_seed(
-        (s.seed * 1_000_003 + 0x5EED0000 + len(s.tokens)) % (2**63))
+    return rng.generator(s.seed, rng.STREAM_DECODE, len(s.tokens))
 
 
 def _step(verifier, s: Session, gen: torch.Generator) -> tuple[int, float, bool]:
     """One target pass: the next token after the confirmed sequence (runs on the
     target executor). Extends the session; returns (token id, seconds, near-tie)."""
     t0 = time.perf_counter()
-    logits = s.kv.sync(s.tokens)[-1:]                               # [1, V]
-    seen = None
-    if s.cfg.repetition_penalty != 1.0:
-        seen = S.presence_mask(torch.tensor(s.tokens), torch.zeros(0, dtype=torch.long),
-                               verifier.vocab_size)
-    x = S.process_logits(logits, s.cfg, seen)[0]
-    tie = False
-    if s.cfg.greedy:
-        tok = int(S.greedy_token(x))
-        tie = bool(verifier.tie_offsets(x[None]))
-    else:
-        tok = int(S.sample(torch.softmax(x, dim=-1), gen))
+    logits = s.kv.sync(s.tokens)[-1]                                # [V]
+    tok, _ = S.sample_next(logits, s.cfg, s.tokens, gen)
+    tie = s.cfg.greedy and bool(verifier.tie_offsets(
+        S.process_next(logits, s.cfg, s.tokens)[None]))
     # the cache now holds the old confirmed sequence = new sequence minus its last token
     s.tokens.append(tok)
     s.check_kv()
@@ -120,66 +112,76 @@ def _limit(s: Session, opts: dict) -> int:
     return min(n, s.max_new_tokens) if s.max_new_tokens else n
 
 
+def _charge(request: web.Request) -> bool:
+    """Charge one token to the caller's verified-token rate limit (when it has one).
+    False when refused (RateLimitExceeded / QuotaExceeded end the stream)."""
+    limiter, key = request.get("ratelimiter"), request.get("api_key")
+    if limiter is None or key is None:
+        return True
+    try:
+        limiter.consume_tokens(key, 1)
+        return True
+    except Exception:  # noqa: BLE001 - any refusal ends the stream
+        return False
+
+
+async def _open_stream(request: web.Request, ndjson: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": STREAM_NDJSON if ndjson
+                                       else STREAM_MSGPACK,
+                                       "Cache-Control": "no-store"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    return resp
+
+
+async def _stream_tokens(request: web.Request, svc, s: Session, limit: int,
+                         write) -> tuple[int, float, str]:
+    """Generate and ``await write(item)`` up to ``limit`` tokens. Returns (tokens,
+    target seconds, finish reason). A client that goes away makes ``write`` raise
+    (ConnectionResetError): the loop stops there and the session stays consistent."""
+    loop = asyncio.get_running_loop()
+    gen = _generator(s)
+    eos = set(svc.eos)
+    n, total_s = 0, 0.0
+    while n < limit:
+        if len(s.tokens) + 1 > svc.verifier.max_context:
+            return n, total_s, "context_full"
+        if n and not _charge(request):
+            return n, total_s, "rate_limited"
+        tok, dt, tie = await loop.run_in_executor(svc.executor, _step, svc.verifier, s, gen)
+        n += 1
+        total_s += dt
+        await write([MSG_TOKEN, tok, dt, tie])
+        if tok in eos:
+            return n, total_s, "eos"
+    return n, total_s, "length"
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     """``POST /v1/sessions/{sid}/generate``: stream target-only tokens (module doc)."""
     svc = request.app[SERVICE]
     s: Session = svc.sessions.get(request.match_info["sid"], owner(request))
-    opts = await _read_options(request)
-    limit = _limit(s, opts)
+    limit = _limit(s, await _read_options(request))
     ndjson = STREAM_NDJSON in request.headers.get("Accept", "")
     limiter, key = request.get("ratelimiter"), request.get("api_key")
-
-    def charge() -> bool:
-        if limiter is None or key is None:
-            return True
-        try:
-            limiter.consume_tokens(key, 1)
-            return True
-        except Exception:  # noqa: BLE001 - RateLimitExceeded / QuotaExceeded end the stream
-            return False
-
-    lock = svc.lock(s.id)
-    async with lock:
+    async with svc.lock(s.id):
         if s.awaiting:
             raise ApiError(409, "correction_pending", "the session is waiting for the "
                            "correction token of its last block", "session_id",
                            state=s.state())
         if limiter is not None and key is not None:
             limiter.consume_tokens(key, 1)   # before prepare: a refusal is a 429 JSON
-        resp = web.StreamResponse(headers={"Content-Type": STREAM_NDJSON if ndjson
-                                           else STREAM_MSGPACK,
-                                           "Cache-Control": "no-store"})
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
+        resp = await _open_stream(request, ndjson)
 
-        def enc(item: list) -> bytes:
-            return (json.dumps(item) + "\n").encode() if ndjson else msgpack.packb(item)
+        async def write(item: list) -> None:
+            await resp.write((json.dumps(item) + "\n").encode() if ndjson
+                             else msgpack.packb(item))
 
-        loop = asyncio.get_running_loop()
-        gen = _generator(s)
-        eos = set(svc.eos)
-        n, total_s, reason = 0, 0.0, "length"
-        # a client that goes away makes resp.write raise (ConnectionResetError): the
-        # loop stops there and the session stays consistent
-        while n < limit:
-            if len(s.tokens) + 1 > svc.verifier.max_context:
-                reason = "context_full"
-                break
-            if n and not charge():
-                reason = "rate_limited"
-                break
-            tok, dt, tie = await loop.run_in_executor(svc.executor, _step, svc.verifier, s,
-                                                      gen)
-            n += 1
-            total_s += dt
-            await resp.write(enc([MSG_TOKEN, tok, dt, tie]))
-            if tok in eos:
-                reason = "eos"
-                break
+        n, total_s, reason = await _stream_tokens(request, svc, s, limit, write)
         enforce = getattr(svc.sessions, "enforce", None)   # KV budgets, where the store
         if enforce is not None:                             # has them: the cache grew
             enforce(keep=s.id)
-        await resp.write(enc([MSG_DONE, reason, n, total_s, n]))
+        await write([MSG_DONE, reason, n, total_s, n])
         await resp.write_eof()
         return resp
 

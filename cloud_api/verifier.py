@@ -14,6 +14,7 @@ import torch
 
 from cloud_api.sessions import ApiError, Session
 from edge_sdk.kvmodel import batched_forward
+from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
@@ -126,14 +127,15 @@ class Verifier:
         seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long),
                                 self.vocab_size) if s.cfg.repetition_penalty != 1.0 else None)
         x = S.process_logits(logits, s.cfg, seen)               # float64 [g+1, V]
-        gen = s.generator(req.block_seq)
+        gen = rng.generator(s.seed, rng.VERIFY, req.block_seq)
         corr, p_rej, ties = None, None, ()
         if s.cfg.greedy:
             a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
             ties = self.tie_offsets(x[: a + 1])
         else:
             p = torch.softmax(x, dim=-1)
-            a, nxt, corr, p_rej = self._sample_verdict(s, req, p, block, gen)
+            a, nxt, corr, p_rej = self._sample_verdict(s, req, logits, p, context, block,
+                                                       gen)
         s.kv.crop(len(context) + a)
         s.tokens = context + block[:a] + ([nxt] if nxt is not None else [])
         s.awaiting = corr is not None
@@ -151,7 +153,11 @@ class Verifier:
         self.near_ties += len(ties)
         return ties
 
-    def _sample_verdict(self, s: Session, req: VerifyRequest, p, block, gen):
+    def _sample_verdict(self, s: Session, req: VerifyRequest, logits, p, context, block,
+                        gen):
+        """Sampling verdict of one block: logits [g+1, V] raw and p float64 [g+1, V]
+        processed target rows after ``context + block[:i]``. Returns (accepted, next
+        token or None, Correction or None, the rejected position's p row or None)."""
         g = len(block)
         if g:
             idx = torch.tensor(block, dtype=torch.long)
@@ -163,7 +169,7 @@ class Verifier:
         else:
             a = 0
         if a == g:                                   # all accepted: bonus from p_{g+1}
-            return a, int(S.sample(p[g], gen)), None, None
+            return a, S.sample_next(logits[g], s.cfg, context + block, gen)[0], None, None
         if s.mode == "standard":                     # baseline: cloud draws the residual
             q_row = torch.tensor(np.array(req.q_full[a]))
             return a, int(S.sample(S.residual(p[a], q_row), gen)), None, None

@@ -101,6 +101,42 @@ class KVModel:
             raise AssertionError(f"KV cache holds {n} tokens, expected {len(self.ids)}")
 
 
+def _padded_pasts(kvs: Sequence[KVModel], L: list[int], Lm: int) -> DynamicCache:
+    """One cache holding every row's past, left-padded with zeros to ``Lm`` entries."""
+    cache = DynamicCache(config=kvs[0].model.config)
+    if not Lm:
+        return cache
+    ref = next(k for k in kvs if k.ids).cache.layers
+    for layer in range(len(ref)):
+        ks, vs = [], []
+        for kv, lb in zip(kvs, L):
+            if lb:
+                k, v = kv.cache.layers[layer].keys, kv.cache.layers[layer].values
+            else:
+                k = v = ref[layer].keys[:1, :, :0]
+            pad = (0, 0, Lm - lb, 0)
+            ks.append(torch.nn.functional.pad(k, pad))
+            vs.append(torch.nn.functional.pad(v, pad))
+        cache.update(torch.cat(ks), torch.cat(vs), layer)
+    return cache
+
+
+def _padded_inputs(news: Sequence[Sequence[int]], L: list[int], Lm: int):
+    """Right-padded input ids [B, Tm], position ids [B, Tm] continuing each row's past,
+    and the bool attention mask [B, 1, Tm, Lm + Tm] (own past, causal over own new)."""
+    B, T = len(news), [len(n) for n in news]
+    Tm = max(T)
+    ids = torch.zeros(B, Tm, dtype=torch.long)
+    pos = torch.arange(Tm).unsqueeze(0) + torch.tensor(L).unsqueeze(1)
+    mask = torch.zeros(B, 1, Tm, Lm + Tm, dtype=torch.bool)
+    causal = torch.tril(torch.ones(Tm, Tm, dtype=torch.bool))
+    for b in range(B):
+        ids[b, :T[b]] = torch.tensor(list(news[b]))
+        mask[b, 0, :, Lm - L[b]:Lm] = True
+        mask[b, 0, :, Lm:Lm + T[b]] = causal[:, :T[b]]
+    return ids, pos, mask
+
+
 @torch.inference_mode()
 def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """One forward over several sequences with their own KV caches (same model).
@@ -115,46 +151,26 @@ def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]]) -> li
     """
     if len(kvs) == 1:
         return [kvs[0].forward(news[0])]
-    model = kvs[0].model
     if any(not n for n in news):
         raise ValueError("every row needs at least one new token")
-    B, L, T = len(kvs), [len(k.ids) for k in kvs], [len(n) for n in news]
-    Lm, Tm = max(L), max(T)
-    cache = DynamicCache(config=model.config)
-    if Lm:
-        ref = next(k for k in kvs if k.ids).cache.layers
-        for layer in range(len(ref)):
-            ks, vs = [], []
-            for kv, lb in zip(kvs, L):
-                if lb:
-                    k, v = kv.cache.layers[layer].keys, kv.cache.layers[layer].values
-                else:
-                    k = v = ref[layer].keys[:1, :, :0]
-                pad = (0, 0, Lm - lb, 0)
-                ks.append(torch.nn.functional.pad(k, pad))
-                vs.append(torch.nn.functional.pad(v, pad))
-            cache.update(torch.cat(ks), torch.cat(vs), layer)
-    ids = torch.zeros(B, Tm, dtype=torch.long)
-    pos = torch.arange(Tm).unsqueeze(0) + torch.tensor(L).unsqueeze(1)
-    mask = torch.zeros(B, 1, Tm, Lm + Tm, dtype=torch.bool)
-    causal = torch.tril(torch.ones(Tm, Tm, dtype=torch.bool))
-    for b in range(B):
-        ids[b, :T[b]] = torch.tensor(list(news[b]))
-        mask[b, 0, :, Lm - L[b]:Lm] = True
-        mask[b, 0, :, Lm:Lm + T[b]] = causal[:, :T[b]]
+    L = [len(k.ids) for k in kvs]
+    Lm = max(L)
+    cache = _padded_pasts(kvs, L, Lm)
+    ids, pos, mask = _padded_inputs(news, L, Lm)
     try:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                       use_cache=True).logits.float()
+        logits = kvs[0].model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                              cache=cache, use_cache=True).logits.float()
     except BaseException:
         for kv in kvs:   # their caches were not touched, but be safe: refill lazily
             kv.rebuild()
         raise
     out = []
     for b, kv in enumerate(kvs):
+        T = len(news[b])
         for layer, lay in enumerate(cache.layers):
-            kv.cache.update(lay.keys[b:b + 1, :, Lm:Lm + T[b]].clone(),
-                            lay.values[b:b + 1, :, Lm:Lm + T[b]].clone(), layer)
+            kv.cache.update(lay.keys[b:b + 1, :, Lm:Lm + T].clone(),
+                            lay.values[b:b + 1, :, Lm:Lm + T].clone(), layer)
         kv.ids.extend(int(t) for t in news[b])
         kv.check()
-        out.append(logits[b, :T[b]])
+        out.append(logits[b, :T])
     return out

@@ -31,7 +31,8 @@ NPDG (non-interruptible baseline): runs to the planned depth whatever the feedba
 then keeps (hit) or discards (miss).
 
 Exactness: every branch samples through ``Drafter.propose`` (the shared processors)
-with the generator of the round it would be drafted in (:func:`draft_generator`), so
+with the generator of the round it would be drafted in (``edge_sdk.protocol.rng``,
+stream ``DRAFT``), so
 on a hit its tokens are exactly those a stop-and-wait client would have drafted from the
 same (true) prefix with the same seed; on a miss its draws are discarded, and fresh,
 independent ones are used. The verifier and its acceptance rule never change.
@@ -47,22 +48,9 @@ from typing import Sequence
 import torch
 
 from edge_sdk.drafters.base import DraftBlock, Drafter
-from edge_sdk.protocol.sampling import SamplingConfig, process_logits
+from edge_sdk.protocol.sampling import SamplingConfig, process_next
 
 MODES = ("off", "ipdg", "npdg")
-_MASK = (1 << 64) - 1
-
-
-def draft_generator(seed: int, round_idx: int) -> torch.Generator:
-    """The draft RNG of a request's round ``round_idx`` (SplitMix64 of seed and round).
-
-    A round's draft randomness depends only on (seed, round), never on how many draws
-    an earlier proactive branch consumed, so runs replay and IPDG hits draft the very
-    tokens stop-and-wait would."""
-    z = (int(seed) * 0x9E3779B97F4A7C15 + (int(round_idx) + 1) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return torch.Generator().manual_seed((z ^ (z >> 31)) & ((1 << 63) - 1))
 
 
 def guess_roots(drafter: Drafter, assumed: Sequence[int], cfg: SamplingConfig,
@@ -73,11 +61,7 @@ def guess_roots(drafter: Drafter, assumed: Sequence[int], cfg: SamplingConfig,
     logits = drafter.sync(list(assumed))
     if not getattr(drafter, "matched", True):
         return []
-    seen = None
-    if cfg.repetition_penalty != 1.0:
-        seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
-        seen[torch.tensor(list(assumed), dtype=torch.long)] = True
-    x = process_logits(logits, cfg, seen)
+    x = process_next(logits, cfg, assumed)
     order = torch.argsort(-x, stable=True)[:b]
     return [int(t) for t in order if torch.isfinite(x[t])]
 
@@ -193,3 +177,63 @@ async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int
     res.t_ready = time.perf_counter()
     res.step_s = res.t_ready - t0
     return res
+
+
+class Lookahead:
+    """One request's proactive drafting around its round loop.
+
+    Holds the request's current ``drafter`` (a hit makes the kept branch's fork the
+    request's drafter: the KV "remap" is an ownership swap), the ``forks`` for tree
+    roots (b > 1), and ``kept``: the branch kept from the last hit with its planned
+    depth, continued by the next round.
+    """
+
+    def __init__(self, drafter: Drafter | None, mode: str, roots: int):
+        self.drafter, self.mode, self.roots = drafter, mode, roots
+        self.forks: list[Drafter] = []
+        self.kept: tuple[Branch, int] | None = None
+
+    def take_kept(self) -> tuple[Branch, int] | None:
+        """The branch kept from the last round's hit (and its plan), now consumed."""
+        kept, self.kept = self.kept, None
+        return kept
+
+    async def speculate(self, executor, assumed: list[int], plan: int, cfg: SamplingConfig,
+                        gen_factory, verdict: asyncio.Future) -> ProactiveResult | None:
+        """:func:`run_proactive` on the request's drafters (forks made as needed).
+        Best effort: a failure drops the branch (None; the verdict is still used)."""
+        b = self.roots
+        while len(self.forks) < b - 1:
+            self.forks.append(self.drafter.fork())
+        try:
+            return await run_proactive([self.drafter] + self.forks[:b - 1], executor,
+                                       assumed, plan, cfg, gen_factory, b, verdict,
+                                       interruptible=self.mode == "ipdg")
+        except Exception:  # noqa: BLE001 - proactive drafting is an optimisation only
+            return None
+
+    def settle(self, pro: ProactiveResult | None, hit_root: int | None, done: bool,
+               m) -> int:
+        """Reconcile the proactive phase with the verdict; returns discarded tokens.
+
+        ``hit_root``: the bonus token when every draft was accepted, else None (a miss:
+        every branch is dropped and the next ``sync`` rolls the caches back). A kept
+        branch is discarded too when the request is ``done``. ``m``: the request's
+        RequestMetrics (proactive counters)."""
+        if pro is None:
+            return 0
+        m.proactive_rounds += 1
+        m.proactive_drafted_tokens += pro.drafted()
+        m.proactive_late_steps += pro.late_steps
+        kept, dropped = pro.settle(hit_root)
+        m.proactive_wasted_tokens += dropped
+        if kept is not None and not done:
+            m.proactive_hits += 1
+            if kept.drafter is not self.drafter:
+                i = self.forks.index(kept.drafter)
+                self.forks[i], self.drafter = self.drafter, kept.drafter
+            self.kept = (kept, pro.plan)
+        elif kept is not None:
+            m.proactive_wasted_tokens += len(kept.tokens)
+            dropped += len(kept.tokens)
+        return dropped

@@ -13,7 +13,9 @@ import aiohttp
 from edge_sdk.retry import RETRYABLE_STATUSES, backoff_delay
 
 MSGPACK = "application/x-msgpack"
-RETRY_STATUS = RETRYABLE_STATUSES   # one definition (edge_sdk.retry)
+#: What "the cloud cannot be reached" looks like once :meth:`Transport.request` has
+#: used its retries: refused or reset connections and timeouts.
+UNREACHABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError)
 
 
 class RemoteError(Exception):
@@ -91,7 +93,7 @@ class Transport:
                     self.downlink_bytes += len(data)
                     if r.status < 400:
                         return data, r.content_type
-                    if r.status in RETRY_STATUS and attempt < self.retries:
+                    if r.status in RETRYABLE_STATUSES and attempt < self.retries:
                         await asyncio.sleep(self._delay(attempt, r.headers))
                         continue
                     try:

@@ -48,7 +48,7 @@ def check_server(url: str, api_key: str | None) -> None:
     """
     import asyncio
 
-    from edge_sdk.client import UNREACHABLE
+    from edge_sdk.transport import UNREACHABLE
     from edge_sdk.protocol.signing import Signer
     from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
 

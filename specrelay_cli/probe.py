@@ -25,7 +25,7 @@ def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
     import ssl
     import time
 
-    from edge_sdk.client import UNREACHABLE
+    from edge_sdk.transport import UNREACHABLE
     from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
 
     ctx = ssl.create_default_context(cafile=ca_cert) if ca_cert else None

@@ -23,7 +23,6 @@ from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.control import CAAC, CONTROLLERS, FixedDepth
 from edge_sdk.drafters.ngram import NgramDrafter
 from edge_sdk.drafters.torch import TorchDrafter
-from edge_sdk.proactive import draft_generator
 from tests.conftest import tiny_model, tiny_tokenizer
 
 PROMPT = [5, 9, 11]
@@ -170,13 +169,6 @@ def test_ipdg_stops_after_verdict_npdg_runs_to_plan(tok, target, close_draft):
     # IPDG is ready soon after the verdict; NPDG only after finishing its plan
     lag = lambda rs: np.mean([r["t_ready"] - r["t_response"] for r in rs])  # noqa: E731
     assert lag(ipdg) < lag(npdg)
-
-
-def test_draft_generator_is_per_round():
-    a = torch.rand(3, generator=draft_generator(7, 2))
-    assert torch.equal(a, torch.rand(3, generator=draft_generator(7, 2)))
-    assert not torch.equal(a, torch.rand(3, generator=draft_generator(7, 3)))
-    assert not torch.equal(a, torch.rand(3, generator=draft_generator(8, 2)))
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -7,14 +7,14 @@ the target (CASES.md 3-4) and reports the exact q it sampled from.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from edge_sdk.protocol.sampling import (SamplingConfig, greedy_token, process_logits,
-                                        sample)
+from edge_sdk.protocol.sampling import SamplingConfig, sample_next
 
 
 @dataclass
@@ -66,28 +66,19 @@ class Drafter(ABC):
         Returns a :class:`DraftBlock`. Greedy configs draft the argmax (q one-hot).
         Raises ValueError for depth < 1 or an empty context.
         """
-        import time
-
         if depth < 1:
             raise ValueError("depth must be >= 1")
         t0 = time.perf_counter()
         logits = self.sync(context)
-        seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
-        if cfg.repetition_penalty != 1.0:
-            seen[torch.tensor(list(context), dtype=torch.long)] = True
+        seen = list(context)
         tokens, q_tok, q_rows = [], [], []
         for i in range(depth):
-            x = process_logits(logits, cfg, seen if cfg.repetition_penalty != 1.0 else None)
-            if cfg.greedy:
-                d, qd = int(greedy_token(x)), 1.0
-            else:
-                q = torch.softmax(x, dim=-1)
-                d = int(sample(q, generator))
-                qd = float(q[d])
-                q_rows.append(q)
+            d, q = sample_next(logits, cfg, seen, generator)
             tokens.append(d)
-            q_tok.append(qd)
-            seen[d] = True
+            q_tok.append(1.0 if q is None else float(q[d]))
+            if q is not None:
+                q_rows.append(q)
+            seen.append(d)
             if i + 1 < depth:
                 logits = self.step(d)
         q_full = torch.stack(q_rows) if q_rows else None

@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import torch
 
@@ -188,6 +189,47 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None,
     if bad.any():
         idx = torch.where(bad, torch.argmax(probs, dim=-1), idx)
     return idx
+
+
+def process_next(logits: torch.Tensor, cfg: SamplingConfig,
+                 seen: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+    """Processed logits for the next position of one sequence.
+
+    Args:
+        logits: float [V], raw logits after the sequence.
+        seen: token ids [n] the sequence holds (for the repetition penalty; ignored
+            when the penalty is off), or None.
+    Returns:
+        float64 [V]: :func:`process_logits` with the presence mask of ``seen``.
+    """
+    mask = None
+    if cfg.repetition_penalty != 1.0 and seen is not None:
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        ids = seen if isinstance(seen, torch.Tensor) else torch.tensor(list(seen),
+                                                                      dtype=torch.long)
+        mask[ids.long()] = True
+    return process_logits(logits, cfg, mask)
+
+
+def sample_next(logits: torch.Tensor, cfg: SamplingConfig,
+                seen: Sequence[int] | torch.Tensor | None = None,
+                gen: torch.Generator | None = None) -> tuple[int, torch.Tensor | None]:
+    """The next token of one sequence: presence mask, processors, then the argmax
+    (greedy) or one inverse-CDF draw from ``gen`` (sampling).
+
+    Args:
+        logits: float [V], raw logits after the sequence.
+        seen: token ids [n] of the sequence (repetition penalty), or None.
+        gen: the generator of the draw (ignored when greedy).
+    Returns:
+        ``(token id, q)``: q is the processed distribution float64 [V] the token was
+        drawn from, None when greedy (the argmax, ties to the lowest id).
+    """
+    x = process_next(logits, cfg, seen)
+    if cfg.greedy:
+        return int(greedy_token(x)), None
+    q = torch.softmax(x, dim=-1)
+    return int(sample(q, gen)), q
 
 
 def accept(p_tok: torch.Tensor, q_tok: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,322 @@
+"""One request's round loop: draft a block, have the target verify it, commit the verdict.
+
+A round: the depth controller plans the draft depth, the drafter proposes a block on
+the scheduler's draft worker, the block goes to the cloud (:mod:`edge_sdk.session`),
+and the verdict (:mod:`edge_sdk.rounds`) commits the accepted drafts plus the bonus or
+correction token. With proactive drafting (:mod:`edge_sdk.proactive`, RAPID's IPDG /
+NPDG) the next block is drafted while the current one is verified, and with
+``send_ahead`` sent before its predecessor's verdict (PipeSpec-style pipelining). A
+lost cloud is handled by the request's policy (:mod:`edge_sdk.offline`). Every draw
+comes from :func:`edge_sdk.protocol.rng.generator`, so a seeded run replays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Iterator, Sequence
+
+from edge_sdk import correction as C
+from edge_sdk import rounds
+from edge_sdk.commit import Committer
+from edge_sdk.control import PlanContext
+from edge_sdk.drafters.base import DraftBlock
+from edge_sdk.metrics import RequestMetrics
+from edge_sdk.models import encode_prompt, tokenizer_fingerprint
+from edge_sdk.offline import CloudLoss
+from edge_sdk.proactive import Lookahead, ProactiveResult
+from edge_sdk.protocol import rng
+from edge_sdk.protocol.sampling import SamplingConfig
+from edge_sdk.results import CloudUnreachable, GenerationResult, TokenEvent
+from edge_sdk.session import Ahead, RemoteSession, SessionParams
+
+
+class Generation:
+    """One request (async iterator of :class:`TokenEvent`; :meth:`result` afterwards).
+    Made by ``EdgeClient.stream``, which documents the arguments."""
+
+    def __init__(self, client, prompt: str | None = None, *,
+                 prompt_ids: Sequence[int] | None = None, sampling: SamplingConfig | None = None,
+                 max_new_tokens: int = 128, stop: Sequence[str] = (), seed: int = 0,
+                 target_only: bool = False, depth: int | None = None,
+                 eps_req: float | None = None, controller=None, on_round=None):
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_ids")
+        self.c = client
+        self.cfg = sampling or SamplingConfig()
+        self.prompt_ids = (list(prompt_ids) if prompt_ids is not None
+                           else encode_prompt(client.tokenizer, prompt, client.chat))
+        self.max_new_tokens, self.stop, self.seed = max_new_tokens, list(stop), seed
+        self.target_only = target_only or client.drafter is None
+        self.budget = client.eps_req if eps_req is None else eps_req   # TV budget left
+        self.m = RequestMetrics()
+        self.committer: Committer | None = None
+        self._leased = None if self.target_only else client._lease_drafter()
+        self.pro = Lookahead(self._leased, client.proactive, client.proactive_roots)
+        self.ctrl = client._request_controller(controller, depth)
+        self.sess = RemoteSession(client.transport, self._params(), self.m)
+        self.loss = CloudLoss(client.on_cloud_loss, client.offline_timeout_s,
+                              client.probe_interval_s, client.transport)
+        self.round_idx = 0                      # verification rounds so far (the draws)
+        self._ahead: Ahead | None = None        # the kept branch's block, sent ahead
+        self._t_verdict: float | None = None    # perf_counter of the last verdict
+        self.verified: list[bool] = []
+        self.on_round = on_round                # per-round record hook (tracing)
+
+    def _params(self) -> SessionParams:
+        c = self.c
+        draft_vocab = c.drafter.vocab_size if c.drafter is not None else None
+        return SessionParams(self.cfg, self.seed, c.mode, c.support_k, c.n_proposals,
+                             tokenizer_fingerprint(c.tokenizer), draft_vocab,
+                             draft_vocab if draft_vocab is not None else len(c.tokenizer))
+
+    def result(self) -> GenerationResult:
+        cm = self.committer
+        return GenerationResult(cm.text, list(cm.token_ids), cm.finish_reason,
+                                self.prompt_ids, self.m.to_dict(), list(self.verified))
+
+    # ------------------------------------------------------------------ the loop
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        m = self.m
+        m.t_start = time.perf_counter()
+        tokens = list(self.prompt_ids)
+        try:
+            await self._open()
+            while not self.committer.done:
+                new, ok = await self._next_tokens(tokens)
+                tokens += new
+                for ev in self._commit(new, ok):
+                    yield ev
+                m.wasted_draft_tokens = (m.drafted_tokens - m.accepted_tokens
+                                         + m.proactive_wasted_tokens)
+            self._discard_lookahead()
+        finally:
+            await self._close()
+
+    async def _open(self) -> None:
+        """Create the cloud session (waiting for the cloud as the policy allows: there
+        is nothing to draft from yet) while the draft prefills its KV cache."""
+        drafter, prompt = self.pro.drafter, self.prompt_ids
+        warm = (asyncio.get_running_loop().run_in_executor(
+            self.c.scheduler.executor, drafter.sync, prompt)
+            if drafter is not None and len(prompt) > 1 else None)
+        try:
+            info = await self.loss.until_reachable(
+                lambda: self.sess.create(prompt, self.max_new_tokens))
+        finally:
+            if warm is not None:
+                await warm
+        self.committer = Committer(self.c.tokenizer, self.max_new_tokens,
+                                   info.get("eos_token_ids", []), self.stop)
+
+    async def _next_tokens(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """The next confirmed tokens and whether the target verified them."""
+        if self.loss.offline:
+            return await self.loss.offline_step(
+                lambda: self.sess.create(list(tokens), self.committer.remaining),
+                lambda: self._draft_offline(tokens)), False
+        header = self.sess.header()
+
+        def aborted():
+            # the round did not complete: restore the header state (a resent block is
+            # answered from the cloud's cache; a lost session is re-created)
+            self.sess.restore(header)
+            self.pro.kept = None
+            self.sess.drop_ahead(self._ahead)
+            self._ahead = None
+
+        new = await self.loss.verified(lambda: self._round(tokens), aborted)
+        if new is None:
+            if self.target_only:
+                raise CloudUnreachable("cloud lost and no draft model")
+            self.loss.go_offline()
+            return [], True
+        return new, True
+
+    def _commit(self, new: list[int], verified: bool) -> Iterator[TokenEvent]:
+        for t in new:
+            if self.committer.done:
+                break
+            text = self.committer.push(t)
+            self.m.committed_tokens += 1
+            self.m.first_token()
+            self.verified.append(verified)
+            yield TokenEvent(t, text, verified)
+
+    def _discard_lookahead(self) -> None:
+        """The request ended: a block sent ahead or a kept branch is wasted."""
+        self.sess.drop_ahead(self._ahead)
+        self._ahead = None
+        kept = self.pro.take_kept()
+        if kept is not None:
+            self.m.proactive_wasted_tokens += len(kept[0].tokens)
+            self.m.wasted_draft_tokens += len(kept[0].tokens)
+
+    async def _close(self) -> None:
+        self.m.finish()
+        self.c._return_drafter(self._leased)
+        if self.sess.path is not None and not self.loss.offline:
+            try:
+                await self.sess.delete()
+            except Exception:  # noqa: BLE001 - cleanup is best effort; TTL evicts
+                pass
+
+    # ------------------------------------------------------------------ one round
+
+    async def _round(self, tokens: list[int]) -> list[int]:
+        """One verification round (one open block); returns the newly confirmed tokens."""
+        kept = self.pro.take_kept()
+        ahead, self._ahead = self._ahead, None
+        try:
+            if ahead is not None:       # proactive hit whose block is already sent
+                return await self._verify(tokens, ahead.block, ahead.plan, True, ahead)
+            block, planned = await self._open_block(tokens, kept)
+            return await self._verify(tokens, block, planned, kept is not None)
+        finally:
+            self.c.scheduler.close(self)      # committed or aborted: ready again
+
+    def _plan(self, proactive: bool, after: int = 0) -> int:
+        """The controller's depth for the next block, clamped to the server's max block
+        and to the tokens left (``after``: tokens the in-flight block commits if fully
+        accepted). 0: nothing to draft."""
+        if self.target_only:
+            return 0
+        cap = min(self.sess.max_block, self.committer.remaining - after - 1)
+        if cap <= 0:
+            return 0
+        L = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap))
+        return max(1, min(int(L), cap))
+
+    async def _open_block(self, tokens: list[int], kept) -> tuple[DraftBlock | None, int]:
+        """The round's block (None: a plain target step) and its planned depth: the
+        branch kept from a proactive hit continued to its plan, or a fresh draft."""
+        if kept is None:
+            planned = self._plan(False)
+            return await self._draft(tokens, planned, self.round_idx), planned
+        branch, planned = kept
+        planned = min(planned, max(0, self.committer.remaining - 1), self.sess.max_block)
+        have = len(branch.tokens)
+        block = await self.c.scheduler.draft(self, len(self.committer.token_ids),
+                                             branch.finish, planned, self.cfg)
+        self.m.proactive_wasted_tokens += max(0, have - len(block))   # trimmed to the cap
+        return (block if len(block) else None), planned
+
+    async def _draft(self, tokens: list[int], depth: int, index: int,
+                     stream: int = rng.DRAFT) -> DraftBlock | None:
+        """Draft ``depth`` tokens on the scheduler's worker once granted, with the draws
+        of ``(seed, stream, index)``. None: nothing to draft (depth 0, or an n-gram
+        drafter without a match)."""
+        if depth <= 0:
+            return None
+        block = await self.c.scheduler.draft(self, len(self.committer.token_ids),
+                                             self.pro.drafter.propose, tokens, depth,
+                                             self.cfg, rng.generator(self.seed, stream, index))
+        return block if len(block) else None
+
+    async def _draft_offline(self, tokens: list[int]) -> list[int]:
+        """One token from the draft alone (the cloud is lost)."""
+        block = await self._draft(tokens, 1, len(tokens), rng.DRAFT_OFFLINE)
+        self.c.scheduler.close(self)
+        self.m.unverified_tokens += 1
+        return list(block.tokens) if block else []
+
+    async def _verify(self, tokens: list[int], block: DraftBlock | None, planned: int,
+                      from_branch: bool = False, ahead: Ahead | None = None) -> list[int]:
+        """Verify ``block`` on ``tokens`` (or await the one sent ahead), apply the
+        verdict, settle the proactive phase, and inform the controller."""
+        t_sent = time.perf_counter() if ahead is None else ahead.t_sent
+        t_prev = self._t_verdict or self.m.t_start
+        resp, t_resp, pro, nxt_ahead = await self._exchange(tokens, block, ahead)
+        self.m.net_seconds += t_resp - t_sent - resp.target_s
+        out = rounds.apply_verdict(block, resp)
+        self.sess.advance()
+        new = out.tokens
+        if out.kind == rounds.EDGE_CORRECTION:
+            new = new + [await self._correct(resp, block, out.accepted)]
+        rounds.count_verdict(self.m, out, resp, block, len(tokens) - len(self.prompt_ids))
+        rounds.check_confirmed_length(resp, tokens, new)
+        wasted = out.depth - out.accepted + self.pro.settle(
+            pro, resp.next_token if out.all_accepted else None, self.committer.done, self.m)
+        if nxt_ahead is not None and self.pro.kept is not None:   # the chain's hit
+            self._ahead = nxt_ahead          # the cloud is verifying it already
+        else:
+            self.sess.drop_ahead(nxt_ahead)
+        self._t_verdict = time.perf_counter()
+        times = rounds.RoundTimes(t_prev, t_sent, t_resp, self._t_verdict)
+        self._record(out, len(new), planned, block, times, from_branch, wasted, pro)
+        self.round_idx += 1
+        return new
+
+    async def _exchange(self, tokens, block, ahead):
+        """Send the block (or await the one sent ahead) while the next one is drafted
+        proactively, and maybe sent ahead. Returns (response, perf_counter of the
+        response, ProactiveResult or None, the next Ahead or None)."""
+        send = asyncio.ensure_future(self._timed_send(tokens, block) if ahead is None
+                                     else self.sess.await_ahead(ahead))
+        nxt_ahead = None
+        try:
+            pro = await self._speculate(tokens, block, send)
+            nxt_ahead = self._send_ahead(block, pro, send)
+            resp, t_resp = await send
+        except BaseException:
+            send.cancel()
+            self.sess.drop_ahead(nxt_ahead)
+            raise
+        return resp, t_resp, pro, nxt_ahead
+
+    async def _timed_send(self, tokens, block):
+        resp = await self.sess.verify(tokens, block, self.committer.remaining)
+        return resp, time.perf_counter()
+
+    async def _correct(self, resp, block: DraftBlock, a: int) -> int:
+        """Draw the correction token of rejected position ``a`` on the edge (staged
+        correction, AsymSpec §IV-B); it rides on the next block as ``pending``."""
+        gen = rng.generator(self.seed, rng.CORRECTION, self.round_idx)
+        tok, stage, eps = await C.resolve(resp.correction, block.q[a], self.budget, gen,
+                                          self.sess.correction, self.c.correction)
+        self.budget -= eps
+        rounds.count_correction(self.m, stage, eps)
+        self.sess.pending = tok
+        return tok
+
+    def _record(self, out, committed, planned, block, times, from_branch, wasted, pro):
+        """Inform the depth controller and the ``on_round`` hook of one round."""
+        self.ctrl.update(rounds.round_record(out, committed, planned, block, times,
+                                             from_branch, wasted))
+        self.m.depth_hist.append(planned)
+        if self.on_round is not None:
+            self.on_round(rounds.trace_record(self.round_idx, out, planned, from_branch,
+                                              times, self.m.t_start, pro,
+                                              self.pro.kept is not None))
+
+    # ------------------------------------------------------------------ proactive
+
+    async def _speculate(self, tokens, block, verdict) -> ProactiveResult | None:
+        """IPDG/NPDG: draft the next block from the assumed prefix (``tokens`` + block,
+        fully accepted, + a guessed bonus) while ``verdict`` is pending."""
+        if self.c.proactive == "off" or self.target_only:
+            return None
+        g = len(block) if block else 0
+        plan = self._plan(True, after=g + 1)
+        if plan <= 0:
+            return None
+        seed, nxt = self.seed, self.round_idx + 1
+        return await self.pro.speculate(
+            self.c.scheduler.executor, list(tokens) + (list(block.tokens) if block else []),
+            plan, self.cfg, lambda: rng.generator(seed, rng.DRAFT, nxt), verdict)
+
+    def _send_ahead(self, block, pro: ProactiveResult | None,
+                    verdict: asyncio.Future) -> Ahead | None:
+        """Send the proactive chain's block now, if it is complete and the verdict it
+        depends on is still pending (``send_ahead``). None when not sent."""
+        if (not self.c.send_ahead or pro is None or len(pro.branches) != 1
+                or verdict.done()):
+            return None
+        br = pro.branches[0]
+        if (br.dead or len(br.tokens) != pro.plan or pro.plan <= 0
+                or self.committer.eos.intersection((block.tokens if block else [])
+                                                   + [br.root])):
+            return None               # incomplete, or the request may end before it
+        return self.sess.send_ahead(br.prefix, br.finish(pro.plan, self.cfg), pro.plan,
+                                    br.root)

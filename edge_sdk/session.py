@@ -1,0 +1,200 @@
+"""The edge's handle on one verification session of the cloud: create, verify,
+correction, delete, and blocks sent ahead (the wire side of one request).
+
+Header state: ``seq`` is the block sequence number of the next block and ``pending``
+the correction token the edge owes the cloud (drawn on the edge after a rejection,
+sent with the next block). A round that fails to complete restores both
+(:meth:`RemoteSession.header` / :meth:`RemoteSession.restore`): a resent block is
+answered from the cloud's replay cache. A session the cloud evicted (404) is
+re-created from the confirmed prefix and the block resent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from edge_sdk.drafters.base import DraftBlock
+from edge_sdk.metrics import RequestMetrics
+from edge_sdk.protocol import wire
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+from edge_sdk.protocol.sampling import SamplingConfig
+from edge_sdk.transport import MSGPACK, UNREACHABLE, RemoteError, Transport
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    """What session create sends besides the prompt (fixed for one request).
+
+    mode: ``asym`` or ``standard``; support_k, n_proposals: correction stage sizes;
+    draft_vocab: the drafter's vocabulary size (None: no drafter); vocab: the edge's
+    vocabulary size (the drafter's, else the tokenizer's; bounds ``support_k``).
+    """
+
+    cfg: SamplingConfig
+    seed: int
+    mode: str
+    support_k: int
+    n_proposals: int
+    tokenizer_hash: str
+    draft_vocab: int | None
+    vocab: int
+
+    def body(self, prompt_ids: list[int], max_new: int) -> dict:
+        """The create request's map (``POST /v1/sessions``)."""
+        body = {"prompt_ids": prompt_ids, "sampling": self.cfg.to_dict(), "seed": self.seed,
+                "max_new_tokens": max_new, "tokenizer_hash": self.tokenizer_hash,
+                "mode": self.mode, "support_k": self.support_k,
+                "n_proposals": self.n_proposals}
+        body["support_k"] = max(1, min(self.support_k, self.vocab))      # K <= V
+        if self.draft_vocab is not None:
+            body["vocab_size"] = self.draft_vocab
+        return body
+
+
+@dataclass
+class Ahead:
+    """A proactive block sent before its predecessor's verdict (``send_ahead``)."""
+
+    future: asyncio.Future       # -> (VerifyResponse, perf_counter) | None
+    block: DraftBlock
+    plan: int
+    body: bytes                  # the exact request bytes (a resend replays them)
+    t_sent: float
+    root: int                    # the assumed bonus of the predecessor
+
+
+class RemoteSession:
+    """One cloud session of a request. Counts message bytes in ``metrics``."""
+
+    def __init__(self, transport: Transport, params: SessionParams, metrics: RequestMetrics):
+        self.transport, self.params, self.m = transport, params, metrics
+        self.sid: int | None = None
+        self.vocab = 0                        # the target's vocabulary (from create)
+        self.max_block = MAX_DRAFT_TOKENS     # until the cloud says its own
+        self.seq, self.pending = 0, None
+        self.path: str | None = None          # /v1/sessions/{sid} once created
+
+    async def call(self, method: str, path: str, body: bytes = b"") -> bytes:
+        data, _ = await self.transport.request(method, path, body, MSGPACK)
+        self.m.uplink_bytes += len(body)
+        self.m.downlink_bytes += len(data)
+        return data
+
+    async def create(self, prompt_ids: list[int], max_new: int) -> dict:
+        """Create (or re-create) the session on the confirmed prefix ``prompt_ids``;
+        returns the cloud's answer (``eos_token_ids``, ``max_block``, ...)."""
+        body = self.params.body(prompt_ids, max_new)
+        info = wire.unpack(await self.call("POST", "/v1/sessions", wire.pack(body)))
+        self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
+        self.max_block = int(info.get("max_block", self.max_block))
+        self.seq, self.pending = 0, None
+        self.path = f"/v1/sessions/{self.sid}"
+        return info
+
+    async def delete(self) -> None:
+        await self.call("DELETE", self.path)
+
+    def header(self) -> tuple[int, int | None]:
+        return self.seq, self.pending
+
+    def restore(self, header: tuple[int, int | None]) -> None:
+        self.seq, self.pending = header
+
+    def advance(self) -> None:
+        """The block ``seq`` was answered: the next block is ``seq + 1``."""
+        self.pending, self.seq = None, self.seq + 1
+
+    # ------------------------------------------------------------------ verify
+
+    def request(self, tokens: list[int], block: DraftBlock | None,
+                ahead: bool = False) -> wire.VerifyRequest:
+        """The verify request of ``block`` on the confirmed prefix ``tokens``: the next
+        block (``seq``, ``pending``), or with ``ahead`` the one after it (no correction
+        can be pending on an assumed full acceptance). ``expect_last`` is the last
+        confirmed token whenever no correction is pending, so a block sent ahead and the
+        same block sent after its predecessor's verdict are the same bytes (a resend is
+        answered from the cloud's replay cache)."""
+        seq, pending = (self.seq + 1, None) if ahead else (self.seq, self.pending)
+        toks = np.array(block.tokens if block else [], dtype=np.int64)
+        q_tok = q_full = None
+        if block is not None and self.params.mode == "standard":
+            q_full = (block.q if block.q is not None else torch.nn.functional.one_hot(
+                torch.tensor(block.tokens), self.vocab).double()).numpy()
+        elif block is not None and not self.params.cfg.greedy:
+            q_tok = block.q_tok.numpy()
+        return wire.VerifyRequest(self.sid, seq, len(tokens), self.params.cfg.config_id,
+                                  pending, toks, q_tok, q_full,
+                                  int(tokens[-1]) if pending is None else None)
+
+    async def verify(self, tokens: list[int], block: DraftBlock | None,
+                     remaining: int) -> wire.VerifyResponse:
+        """Send block ``seq``; an evicted or expired session (404) is re-created from
+        ``tokens`` (the pending correction included; ``remaining`` new tokens at most)
+        and the block resent. Raises RemoteError, RuntimeError (an answer to another
+        block)."""
+        body = self.request(tokens, block).encode(self.vocab)
+        try:
+            data = await self.call("POST", self.path + "/verify", body)
+        except RemoteError as e:
+            if e.status != 404:
+                raise
+            await self.create(list(tokens), remaining)
+            body = self.request(tokens, block).encode(self.vocab)
+            data = await self.call("POST", self.path + "/verify", body)
+        return self.decode_verdict(data)
+
+    def decode_verdict(self, data: bytes) -> wire.VerifyResponse:
+        resp = wire.VerifyResponse.decode(data)
+        if resp.block_seq != self.seq:
+            raise RuntimeError(f"response answers block {resp.block_seq}, sent {self.seq}")
+        return resp
+
+    async def correction(self, k: int | None) -> wire.CorrectionResponse:
+        """More correction information for the block just answered: a top-``k``
+        support, or the full target distribution (``k`` None)."""
+        body = wire.CorrectionRequest(self.seq - 1, k).encode()
+        data = await self.call("POST", self.path + "/correction", body)
+        return wire.CorrectionResponse.decode(data)
+
+    # ------------------------------------------------------------------ send ahead
+
+    def send_ahead(self, assumed: list[int], block: DraftBlock, plan: int,
+                   root: int) -> Ahead:
+        """POST ``block`` (drafted on ``assumed`` = prefix + in-flight block + guessed
+        bonus ``root``) as block ``seq + 1`` now, in the background."""
+        body = self.request(assumed, block, ahead=True).encode(self.vocab)
+        fut = asyncio.ensure_future(self._post_ahead(body, self.seq + 1))
+        self.m.ahead_blocks += 1
+        return Ahead(fut, block, plan, body, time.perf_counter(), root)
+
+    async def _post_ahead(self, body: bytes, seq: int):
+        """POST a block sent ahead. Returns ``(VerifyResponse, perf_counter)``, or None
+        when the cloud refused it (409 ``stale_block`` on a miss) or it failed."""
+        try:
+            data = await self.call("POST", self.path + "/verify", body)
+            resp = wire.VerifyResponse.decode(data)
+        except (RemoteError, wire.WireError, *UNREACHABLE):
+            return None
+        return (resp, time.perf_counter()) if resp.block_seq == seq else None
+
+    async def await_ahead(self, ahead: Ahead):
+        """The verdict of a block sent ahead (a hit: the cloud verified it, or will
+        when the same bytes are resent after a failure). Returns (response, time)."""
+        got = await ahead.future
+        if got is not None:
+            self.m.ahead_hits += 1
+            return got
+        data = await self.call("POST", self.path + "/verify", ahead.body)
+        return self.decode_verdict(data), time.perf_counter()
+
+    def drop_ahead(self, ahead: Ahead | None) -> None:
+        """A block sent ahead on an outcome that did not happen: the cloud refuses it
+        (409, nothing changes); its answer is read in the background and ignored."""
+        if ahead is not None:
+            self.m.ahead_dropped += 1
+            ahead.future.add_done_callback(lambda f: f.cancelled() or f.exception())
