@@ -127,7 +127,9 @@ class Verifier:
         seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long),
                                 self.vocab_size) if s.cfg.repetition_penalty != 1.0 else None)
         x = S.process_logits(logits, s.cfg, seen)               # float64 [g+1, V]
-        gen = rng.generator(s.seed, rng.VERIFY, req.block_seq)
+        # indexed by the block's position, not its sequence number: a session re-created
+        # from the confirmed prefix after a restart draws exactly what the lost one would
+        gen = rng.generator(s.seed, rng.VERIFY, len(context))
         corr, p_rej, ties = None, None, ()
         if s.cfg.greedy:
             a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)

@@ -22,7 +22,10 @@ Streams (constants below) and their index:
     edge, the correction-token draws of round i (index = round number).
 ``VERIFY``
     cloud, acceptance uniforms, bonus, residual and proposal draws of a block (index =
-    block sequence number in its session).
+    the block's position: the length of the context its first draft token extends,
+    prompt included). Positions grow strictly from round to round, and a session
+    re-created from the confirmed prefix (after a server restart) sees the same ones,
+    so a resumed request draws exactly what the lost session would have.
 ``STREAM_DECODE``
     cloud, target-only streaming generation: one generator per stream request (index =
     confirmed length when the stream starts).
