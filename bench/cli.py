@@ -65,7 +65,7 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Prompt selection and per-request sampling seeds.")
 @click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
-              help="Draft depth gamma for fixed-depth modes (tokens per block).")
+              help="Draft depth for fixed-depth modes (tokens per block).")
 @click.option("--concurrent-depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None,
               help="Draft depth of the concurrent modes (default: --depth). The pipeline's "
               "best depth is lower than a single request's: the edge's one draft worker "

@@ -26,7 +26,7 @@ class BenchConfig:
         workloads: ``"mtbench"`` / ``"humaneval"``.
         sampling: variants from :data:`SAMPLING_PRESETS` (``"greedy"``, ``"sample"``).
         prompts: prompts per workload. seed: prompt shuffle and request seeds.
-        max_new_tokens: tokens generated per request. depth: draft depth gamma.
+        max_new_tokens: tokens generated per request. depth: draft depth.
         concurrent_depth: draft depth of the concurrent modes (None: ``depth``).
         target, draft: model sources: a ``load_model`` spec string (preset, path,
             ``name@N``) or a picklable zero-argument callable returning

@@ -33,7 +33,7 @@ class EdgeClient:
         base_url: the API, e.g. ``http://127.0.0.1:8000``.
         drafter: a :class:`Drafter` (None allows only ``target_only`` generation).
         tokenizer: shared by draft and target (checked by fingerprint at session create).
-        depth: draft depth gamma per block when no ``controller`` is given (fixed; clamped
+        depth: draft depth per block when no ``controller`` is given (fixed; clamped
             to 1..max_block of the server and to the tokens left).
         mode: ``asym`` (token, q pairs on the uplink; staged correction) or ``standard``
             (baseline: full q per position uploaded, cloud draws corrections).

@@ -185,8 +185,8 @@ class Generation:
         cap = min(self.sess.max_block, self.committer.remaining - after - 1)
         if cap <= 0:
             return 0
-        L = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap))
-        return max(1, min(int(L), cap))
+        depth = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap))
+        return max(1, min(int(depth), cap))
 
     async def _open_block(self, tokens: list[int], kept) -> tuple[DraftBlock | None, int]:
         """The round's block (None: a plain target step) and its planned depth: the

@@ -69,7 +69,7 @@ def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
 @click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
-              help="Draft depth gamma (tokens per block).")
+              help="Draft depth (tokens per block).")
 @click.option("--model-name", default="specrelay", show_default=True,
               help="The model name reported to OpenAI clients.")
 @click.option("--default-max-tokens", type=click.IntRange(1, 8192), default=256,

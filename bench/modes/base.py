@@ -30,7 +30,7 @@ class EdgeContext:
         profile: the emulated network profile (for the latency breakdown).
         sampling: sampling config of every request in the run.
         max_new_tokens: generation cap per request (tokens).
-        depth: draft depth gamma (tokens per block) for fixed-depth modes.
+        depth: draft depth (tokens per block) for fixed-depth modes.
         link_bytes: returns ``(uplink_bytes, downlink_bytes)`` delivered by the link
             emulator so far (all HTTP bytes, headers included); None if unknown.
         options: free-form per-mode options (later modes: CAAC gains, ...).
