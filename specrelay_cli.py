@@ -505,7 +505,7 @@ def _mount():
     from bench.cli import bench
     from edge_sdk.openai_server import edge_serve
     from exporters.cli import export
-    from exporters.distill import distill_command
+    from exporters.distill.cli import distill_command
 
     main.add_command(keys)
     main.add_command(export)
