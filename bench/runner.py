@@ -657,7 +657,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
         t0 = time.perf_counter()
         if isinstance(draft_src, str):
             # a spec with an optional runtime suffix (``qwen2.5-coder-0.5b+onnx-int4``)
-            from edge_sdk.drafters.runtime import build_drafter
+            from exporters.onnx.first_use import build_drafter
 
             base_drafter, tok = build_drafter(draft_src, dtype=cfg.dtype,
                                               threads=edge_threads, echo=log)

@@ -602,7 +602,7 @@ if click is not None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import ssl
 
-        from edge_sdk.drafters.runtime import build_drafter
+        from exporters.onnx.first_use import build_drafter
         from edge_sdk.protocol.signing import Signer
 
         if draft is None:
