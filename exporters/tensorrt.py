@@ -1,4 +1,4 @@
-"""Build a TensorRT engine from an ONNX export (``exporters/onnx.py``) for Jetson / GPUs.
+"""Build a TensorRT engine from an ONNX export (``exporters.onnx``) for Jetson / GPUs.
 
 Uses TensorRT's Python builder: parse ``model.onnx`` (external data included), add one
 optimisation profile that bounds every dynamic input (``input_ids``, ``attention_mask``,
