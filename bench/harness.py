@@ -115,7 +115,7 @@ def _load_draft(run: _Run, log: Callable[[str], None]):
     model source wrapped in a :class:`TorchDrafter`."""
     cfg = run.cfg
     if isinstance(run.draft_src, str):
-        from edge_sdk.drafters.runtime import build_drafter
+        from exporters.onnx.first_use import build_drafter
 
         drafter, tok = build_drafter(run.draft_src, dtype=cfg.dtype,
                                      threads=run.edge_threads, echo=log)

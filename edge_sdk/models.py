@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ import torch
 
 from edge_sdk.cache import cache_dir
 from edge_sdk.draft_format import is_draft_folder, load_draft
+from edge_sdk.packages import package_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +40,6 @@ class ModelSpec:
     path: str
     gguf_file: str | None = None
     truncate_layers: int | None = None
-
-
-def package_dir(module: str) -> Path:
-    """Folder of an installed package found *without importing it*.
-
-    Raises:
-        ModuleNotFoundError: the package is not installed.
-    """
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"package {module!r} is not installed (pip install it)")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def _smollm2() -> ModelSpec:

@@ -116,7 +116,7 @@ def backend(url: str | None, api_key: str | None, target: str, tokenizer,
 def load_draft(name: str | None, target: str | None = None):
     """``(TorchDrafter, tokenizer)`` for a draft name (default: the draft paired with
     ``target``, ``edge_sdk.models.default_draft``)."""
-    from edge_sdk.drafters.runtime import build_drafter
+    from exporters.onnx.first_use import build_drafter
     from edge_sdk.models import DEFAULT_TARGET, default_draft, load_tokenizer
 
     drafter, tok = build_drafter(name or default_draft(target), dtype="auto")

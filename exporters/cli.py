@@ -58,6 +58,32 @@ def _out_for(model: str) -> Path:
     return Path(name.replace("@", "-").replace("::", "-") + "-onnx")
 
 
+def _check_prompts(tok, vocab: int) -> list[list[int]]:
+    """Token ids of :data:`~exporters.onnx.parity.PARITY_TEXTS` for the parity checks
+    (ids >= ``vocab`` dropped); fixed ids without a usable tokenizer."""
+    from exporters.onnx.parity import PARITY_TEXTS, default_prompt
+
+    try:
+        if tok is None:
+            raise ValueError("no tokenizer")
+        prompts = [tok(t)["input_ids"] for t in PARITY_TEXTS]
+        prompts = [[t for t in p if t < vocab] for p in prompts]
+        return [p for p in prompts if p] or [default_prompt(vocab)]
+    except Exception:  # noqa: BLE001 - any tokenizer trouble: fall back to fixed ids
+        return [default_prompt(vocab)]
+
+
+def _summary(man: dict, out: Path) -> dict:
+    """What ``export onnx`` prints: the folder, time, float32 parity, variants' agreement."""
+    summary = {"out": str(out), "export_seconds": man["export_seconds"]}
+    if "parity" in man:
+        summary["parity"] = {k: man["parity"][k] for k in
+                             ("passed", "max_abs_logit_diff", "greedy_matches", "steps")}
+    for name, v in (man.get("variants") or {}).items():
+        summary[name] = v["agreement_vs_fp32"] or {"path": str(out / name)}
+    return summary
+
+
 @export.command("onnx", short_help="Export a model to ONNX with KV cache (+fp16/int4).")
 @click.argument("model")
 @click.option("--out", "-o", "out", type=click.Path(file_okay=False), default=None,
@@ -99,7 +125,7 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
       specrelay export onnx qwen2.5-coder-0.5b --dtype bfloat16 --int4 --int8 --threads 1
       specrelay export onnx path/to/draft --out draft-onnx --no-parity --opset 18
     """
-    from exporters.onnx import PARITY_TEXTS, default_prompt, export_onnx
+    from exporters.onnx.export import export_onnx
 
     out = Path(out) if out else _out_for(model)
     click.echo(f"loading {model} ...", err=True)
@@ -107,15 +133,7 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
         m, tok = _load(model, threads, dtype)
     except (OSError, ModuleNotFoundError, ValueError) as e:
         raise click.ClickException(f"cannot load {model}: {e}") from None
-    vocab = int(m.config.vocab_size)
-    try:
-        if tok is None:
-            raise ValueError("no tokenizer")
-        prompts = [tok(t)["input_ids"] for t in PARITY_TEXTS]
-        prompts = [[t for t in p if t < vocab] for p in prompts]
-        prompts = [p for p in prompts if p] or [default_prompt(vocab)]
-    except Exception:  # noqa: BLE001 - any tokenizer trouble: fall back to fixed ids
-        prompts = [default_prompt(vocab)]
+    prompts = _check_prompts(tok, int(m.config.vocab_size))
     click.echo(f"exporting to {out} ...", err=True)
     try:
         man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, int8=int8,
@@ -124,13 +142,7 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
                           int4_block_size=int4_block_size, threads=threads, verbose=verbose)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
-    summary = {"out": str(out), "export_seconds": man["export_seconds"]}
-    if "parity" in man:
-        summary["parity"] = {k: man["parity"][k] for k in
-                             ("passed", "max_abs_logit_diff", "greedy_matches", "steps")}
-    for name, v in (man.get("variants") or {}).items():
-        summary[name] = v["agreement_vs_fp32"] or {"path": str(out / name)}
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(json.dumps(_summary(man, out), indent=2))
 
 
 @export.command("tensorrt", short_help="Build a TensorRT engine from an ONNX export.")

@@ -34,7 +34,6 @@ over prompts). Backends are built, measured and freed one at a time (memory).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import json
@@ -43,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import click
 import torch
 
 #: Real prompts for the agreement check: (label, text), wrapped in the chat template.
@@ -146,7 +146,7 @@ def agreement(b: Backend, prompts: Sequence[Sequence[int]],
 def timing_prompt(tokenizer, vocab: int, length: int) -> list[int]:
     """A ``length``-token prompt of real code (random ids without a tokenizer)."""
     if tokenizer is None:
-        from exporters.onnx import default_prompt
+        from exporters.onnx.parity import default_prompt
 
         return default_prompt(vocab, length, seed=1)
     ids: list[int] = []
@@ -162,7 +162,7 @@ def agreement_prompts(tokenizer, vocab: int, workload_prompts: int = 0
     MT-Bench questions (kind chat, chat template) from :mod:`bench.workloads`.
     Without a tokenizer: two fixed random-id prompts."""
     if tokenizer is None:
-        from exporters.onnx import default_prompt
+        from exporters.onnx.parity import default_prompt
 
         return [("random", default_prompt(vocab, 24, seed=s)) for s in (2, 3)]
     from edge_sdk.models import encode_prompt
@@ -176,6 +176,61 @@ def agreement_prompts(tokenizer, vocab: int, workload_prompts: int = 0
             for p in load_workload(name, workload_prompts, seed=0):
                 out.append((kind, encode_prompt(tokenizer, p.text, chat=p.kind == "chat")))
     return out
+
+
+def _backend(label: str, model, onnx_dir, threads: int, log, held: dict) -> Backend | None:
+    """Build backend ``label`` (None: an ``onnx-*`` export that is not there, logged).
+    ``held["fp32"]`` keeps the float32 copy between ``torch-fp32`` and ``torch-int8``
+    (which consumes it). Raises ValueError: an unknown label or no ``onnx_dir``."""
+    from edge_sdk.drafters.torch import quantize_dynamic_int8
+
+    if label == "torch-bf16":
+        return torch_backend(label, model if next(model.parameters()).dtype == torch.bfloat16
+                             else copy.deepcopy(model).to(torch.bfloat16))
+    if label in ("torch-fp32", "torch-int8"):
+        if held.get("fp32") is None:
+            held["fp32"] = copy.deepcopy(model).float().eval()
+        m = held["fp32"]
+        if label == "torch-int8":
+            m, held["fp32"] = quantize_dynamic_int8(held["fp32"]), None  # fp32 is consumed
+        return torch_backend(label, m)
+    if label.startswith("onnx-"):
+        if onnx_dir is None:
+            raise ValueError(f"{label} needs onnx_dir")
+        v = label[len("onnx-"):]  # onnx-<sub> = onnx_dir/<sub> (onnx-fp32 = onnx_dir)
+        folder = Path(onnx_dir) if v == "fp32" else Path(onnx_dir) / v
+        if not (folder / "model.onnx").exists():
+            log(f"{label}: no export at {folder}, skipped")
+            return None
+        return onnx_backend(label, folder, threads)
+    raise ValueError(f"unknown backend {label!r} (one of {', '.join(BACKENDS)})")
+
+
+def _speed(b: Backend, prompt, steps: int, warmup: int, repeats: int) -> dict:
+    """``ms_per_token`` / ``tok_s`` of the best of ``repeats`` runs of
+    :func:`time_decode`."""
+    best = float("inf")
+    for _ in range(repeats):
+        b.reset()
+        best = min(best, time_decode(b.forward, prompt, steps, warmup))
+    return {"ms_per_token": round(best * 1000, 2), "tok_s": round(1.0 / best, 1)}
+
+
+def _build_order(backends: Sequence[str], reference: str, agree_steps: int) -> list[str]:
+    """The labels in build order: the reference first when agreement is checked."""
+    order = list(backends)
+    if agree_steps and reference in order:
+        order.remove(reference)
+        order.insert(0, reference)
+    return order
+
+
+def _add_speedups(results: dict) -> None:
+    """``speedup_vs_<first label>`` in every result (ms/token ratio)."""
+    first = next(iter(results), None)
+    for label, res in results.items():
+        res[f"speedup_vs_{first}"] = round(results[first]["ms_per_token"]
+                                           / res["ms_per_token"], 2)
 
 
 def measure(model, backends: Sequence[str], *, onnx_dir: str | Path | None = None,
@@ -196,50 +251,19 @@ def measure(model, backends: Sequence[str], *, onnx_dir: str | Path | None = Non
         ``{"threads", "context", "steps", "reference", "results": {label: {"ms_per_token",
         "tok_s", "speedup_vs_<first>", "greedy_agreement", ...}}}``.
     """
-    from edge_sdk.drafters.torch import quantize_dynamic_int8
-
     torch.set_num_threads(threads)
     vocab = int(model.config.vocab_size)
     tprompt = timing_prompt(tokenizer, vocab, context)
     labelled = agreement_prompts(tokenizer, vocab, workload_prompts) if agree_steps else []
     kinds, aprompts = [k for k, _ in labelled], [p for _, p in labelled]
-    order = list(backends)
-    if agree_steps and reference in order:  # build the reference first
-        order.remove(reference)
-        order.insert(0, reference)
-    refs = None
-    results: dict[str, dict] = {}
-    fp32 = None
-    for label in order:
+    refs, results, held = None, {}, {}
+    for label in _build_order(backends, reference, agree_steps):
         t0 = time.perf_counter()
-        if label == "torch-bf16":
-            b = torch_backend(label, model if next(model.parameters()).dtype == torch.bfloat16
-                              else copy.deepcopy(model).to(torch.bfloat16))
-        elif label in ("torch-fp32", "torch-int8"):
-            if fp32 is None:
-                fp32 = copy.deepcopy(model).float().eval()
-            m = fp32
-            if label == "torch-int8":
-                m, fp32 = quantize_dynamic_int8(fp32), None  # fp32 is consumed
-            b = torch_backend(label, m)
-        elif label.startswith("onnx-"):
-            if onnx_dir is None:
-                raise ValueError(f"{label} needs onnx_dir")
-            v = label[len("onnx-"):]  # onnx-<sub> = onnx_dir/<sub> (onnx-fp32 = onnx_dir)
-            folder = Path(onnx_dir) if v == "fp32" else Path(onnx_dir) / v
-            if not (folder / "model.onnx").exists():
-                log(f"{label}: no export at {folder}, skipped")
-                continue
-            b = onnx_backend(label, folder, threads)
-        else:
-            raise ValueError(f"unknown backend {label!r} (one of {', '.join(BACKENDS)})")
-        res = {"build_s": round(time.perf_counter() - t0, 2)}
-        best = float("inf")
-        for _ in range(repeats):
-            b.reset()
-            best = min(best, time_decode(b.forward, tprompt, steps, warmup))
-        res["ms_per_token"] = round(best * 1000, 2)
-        res["tok_s"] = round(1.0 / best, 1)
+        b = _backend(label, model, onnx_dir, threads, log, held)
+        if b is None:
+            continue
+        res = {"build_s": round(time.perf_counter() - t0, 2),
+               **_speed(b, tprompt, steps, warmup, repeats)}
         if agree_steps:
             if refs is None:
                 if label != reference:
@@ -251,11 +275,8 @@ def measure(model, backends: Sequence[str], *, onnx_dir: str | Path | None = Non
         b.reset()
         del b
         gc.collect()
-    del fp32
-    first = next(iter(results), None)
-    for label, res in results.items():
-        res[f"speedup_vs_{first}"] = round(results[first]["ms_per_token"]
-                                           / res["ms_per_token"], 2)
+    held.clear()
+    _add_speedups(results)
     return {"threads": threads, "context": context, "steps": steps, "warmup": warmup,
             "repeats": repeats, "agree_steps": agree_steps,
             "reference": reference if agree_steps else None,
@@ -276,52 +297,55 @@ def markdown_table(res: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", nargs="?", default="qwen2.5-coder-0.5b",
-                    help="model spec (edge_sdk.models.resolve) or draft folder")
-    ap.add_argument("--dtype", default="bfloat16", help="dtype the model is loaded in "
-                    "(the torch-* backends are copies; default bfloat16)")
-    ap.add_argument("--onnx", default=None,
-                    help="export folder (default /tmp/specrelay-onnx/<model>); exported "
-                         "(fp32 + int4, + fp16 when onnx-fp16 is asked for) if it holds "
-                         "no model.onnx")
-    ap.add_argument("--backends", default="torch-bf16,torch-fp32,onnx-fp32,onnx-int4",
-                    help=f"comma-separated, from: {','.join(BACKENDS)}")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--context", type=int, default=96, help="prefill tokens")
-    ap.add_argument("--steps", type=int, default=24, help="timed decode steps")
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--agree-steps", type=int, default=64, help="0 = no agreement check")
-    ap.add_argument("--workload-prompts", type=int, default=0, help="also check "
-                    "agreement on N HumanEval + N MT-Bench prompts")
-    ap.add_argument("--reference", default="torch-bf16")
-    ap.add_argument("--json", dest="json_out", default=None, help="also write JSON here")
-    a = ap.parse_args(argv)
+@click.command("speed", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", required=False, default="qwen2.5-coder-0.5b")
+@click.option("--dtype", default="bfloat16", help="dtype the model is loaded in "
+              "(the torch-* backends are copies; default bfloat16)")
+@click.option("--onnx", "onnx_dir", default=None,
+              help="export folder (default /tmp/specrelay-onnx/<model>); exported "
+                   "(fp32 + int4, + fp16 when onnx-fp16 is asked for) if it holds "
+                   "no model.onnx")
+@click.option("--backends", default="torch-bf16,torch-fp32,onnx-fp32,onnx-int4",
+              help=f"comma-separated, from: {','.join(BACKENDS)}")
+@click.option("--threads", type=int, default=1)
+@click.option("--context", type=int, default=96, help="prefill tokens")
+@click.option("--steps", type=int, default=24, help="timed decode steps")
+@click.option("--warmup", type=int, default=4)
+@click.option("--repeats", type=int, default=3)
+@click.option("--agree-steps", type=int, default=64, help="0 = no agreement check")
+@click.option("--workload-prompts", type=int, default=0, help="also check "
+              "agreement on N HumanEval + N MT-Bench prompts")
+@click.option("--reference", default="torch-bf16")
+@click.option("--json", "json_out", default=None, help="also write JSON here")
+def speed_command(model, dtype, onnx_dir, backends, threads, context, steps, warmup,
+                  repeats, agree_steps, workload_prompts, reference, json_out):
+    """Draft decode speed and greedy agreement per runtime, single sequence, fixed
+    threads.
 
+    MODEL: model spec (edge_sdk.models.resolve) or draft folder (default
+    qwen2.5-coder-0.5b). Prints the results as JSON, then as a markdown table.
+    """
     from edge_sdk.models import load_model
-    from exporters.onnx import export_onnx
+    from exporters.onnx.export import export_onnx
 
-    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
-    model, tok = load_model(a.model, dtype=a.dtype, threads=a.threads)
-    folder = Path(a.onnx or f"/tmp/specrelay-onnx/{a.model.replace('/', '_')}")
-    if any(b.startswith("onnx-") for b in backends) and not (folder / "model.onnx").exists():
-        print(f"exporting {a.model} -> {folder} ...", flush=True)
-        export_onnx(model, folder, int4=True, fp16="onnx-fp16" in backends, parity=False,
-                    source=a.model, threads=a.threads)
-    res = {"model": a.model, **measure(model, backends, onnx_dir=folder, tokenizer=tok,
-                                       threads=a.threads, context=a.context,
-                                       steps=a.steps, warmup=a.warmup, repeats=a.repeats,
-                                       agree_steps=a.agree_steps,
-                                       workload_prompts=a.workload_prompts,
-                                       reference=a.reference)}
+    labels = [b.strip() for b in backends.split(",") if b.strip()]
+    m, tok = load_model(model, dtype=dtype, threads=threads)
+    folder = Path(onnx_dir or f"/tmp/specrelay-onnx/{model.replace('/', '_')}")
+    if any(b.startswith("onnx-") for b in labels) and not (folder / "model.onnx").exists():
+        print(f"exporting {model} -> {folder} ...", flush=True)
+        export_onnx(m, folder, int4=True, fp16="onnx-fp16" in labels, parity=False,
+                    source=model, threads=threads)
+    res = {"model": model, **measure(m, labels, onnx_dir=folder, tokenizer=tok,
+                                     threads=threads, context=context, steps=steps,
+                                     warmup=warmup, repeats=repeats,
+                                     agree_steps=agree_steps,
+                                     workload_prompts=workload_prompts,
+                                     reference=reference)}
     print(json.dumps(res, indent=2))
     print(markdown_table(res))
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(res, indent=2) + "\n")
-    return res
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    speed_command()

@@ -1,4 +1,4 @@
-"""Build a TensorRT engine from an ONNX export (``exporters/onnx.py``) for Jetson / GPUs.
+"""Build a TensorRT engine from an ONNX export (``exporters.onnx``) for Jetson / GPUs.
 
 Uses TensorRT's Python builder: parse ``model.onnx`` (external data included), add one
 optimisation profile that bounds every dynamic input (``input_ids``, ``attention_mask``,
@@ -85,6 +85,106 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _check_precision(trt, manifest: dict, fp16: bool, int8: bool) -> tuple[bool, bool]:
+    """-> (this TensorRT has fp16/int8 builder flags, the ONNX graph is float16).
+
+    Raises:
+        TensorRTUnavailable: fp16 or int8 asked of a TensorRT without those flags (11+)
+            for a graph that does not carry them.
+    """
+    weak_flags = hasattr(trt.BuilderFlag, "FP16")
+    graph_fp16 = manifest.get("dtype") == "float16"
+    if not weak_flags and (int8 or (fp16 and not graph_fp16)):
+        raise TensorRTUnavailable(
+            f"TensorRT {trt.__version__} builds strongly typed networks only (no fp16/int8 "
+            "builder flags): export with 'specrelay export onnx --fp16' and build from the "
+            "fp16/ folder; int8 needs an ONNX with Q/DQ nodes")
+    return weak_flags, graph_fp16
+
+
+def _build(builder, network, config, engine_path: Path) -> Path:
+    """Build the serialised engine into ``engine_path``. Raises RuntimeError: the build
+    failed."""
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("TensorRT engine build failed (see the TensorRT log above)")
+    with open(engine_path, "wb") as f:
+        f.write(plan)
+    return engine_path
+
+
+def _network_flags(trt, graph_fp16: bool) -> tuple[int, bool]:
+    """Network creation flags (explicit batch before TensorRT 10; strongly typed for an
+    fp16 graph where supported) -> (flags, strongly typed)."""
+    flags = 0
+    if int(trt.__version__.split(".")[0]) < 10:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+    # An fp16 graph carries its own types: build it strongly typed where supported.
+    strongly = graph_fp16 and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+    if strongly:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    return flags, strongly
+
+
+def _parse(trt, builder, logger, model_path: Path, flags: int):
+    """The parsed network of ``model_path``. Raises RuntimeError: it did not parse."""
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(model_path)):
+        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {model_path}: {errs}")
+    return network, parser
+
+
+def _precision(trt, config, *, graph_fp16: bool, weak_flags: bool, strongly: bool,
+               fp16: bool, int8: bool) -> list[str]:
+    """Set the fp16 / int8 builder flags where this TensorRT has them; returns the
+    precisions asked of the engine."""
+    precision = ["fp16" if graph_fp16 else "fp32"]
+    if weak_flags and not strongly:
+        if fp16:
+            config.set_flag(trt.BuilderFlag.FP16)
+            precision.append("fp16")
+        if int8:
+            config.set_flag(trt.BuilderFlag.INT8)
+            precision.append("int8")
+    return precision
+
+
+def _add_profile(builder, config, network, manifest: dict, bounds: dict) -> dict:
+    """One optimisation profile over every network input (:func:`profile_shapes` with
+    ``bounds``); returns the shapes. Raises RuntimeError: an input has no profile."""
+    inputs = [network.get_input(i).name for i in range(network.num_inputs)]
+    shapes = profile_shapes(manifest, input_names=inputs, **bounds)
+    missing = [n for n in inputs if n not in shapes]
+    if missing:
+        raise RuntimeError(f"no profile for inputs {missing}: not a specrelay/optimum export")
+    profile = builder.create_optimization_profile()
+    for name, s in shapes.items():
+        profile.set_shape(name, s["min"], s["opt"], s["max"])
+    config.add_optimization_profile(profile)
+    return shapes
+
+
+def _engine_manifest(trt, engine_path: Path, model_path: Path, manifest: dict, network,
+                     **info) -> dict:
+    """``specrelay_trt.json``'s content; ``info``: precision, requested, workspace_gb,
+    profiles, build_seconds."""
+    outputs = [network.get_output(i).name for i in range(network.num_outputs)]
+    return {
+        "format": "specrelay-tensorrt", "version": 1, "engine_file": ENGINE_NAME,
+        "onnx": str(model_path), "tensorrt_version": trt.__version__,
+        "device": _gpu_name(), "precision": info["precision"],
+        "requested": info["requested"], "workspace_gb": info["workspace_gb"],
+        "profiles": info["profiles"], "outputs": outputs,
+        "build_seconds": info["build_seconds"],
+        "engine_bytes": engine_path.stat().st_size,
+        **{k: manifest[k] for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size")
+           if k in manifest},
+        "onnx_dtype": manifest.get("dtype"),
+    }
+
+
 def build_engine(onnx_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, *,
                  fp16: bool = False, int8: bool = False, workspace_gb: float = 2.0,
                  max_batch: int = 1, max_seq: int = 512, max_past: int = 2048,
@@ -113,70 +213,23 @@ def build_engine(onnx_dir: str | os.PathLike, out_dir: str | os.PathLike | None 
     manifest = read_manifest(model_path)
     out = Path(out_dir) if out_dir else folder / "tensorrt"
     out.mkdir(parents=True, exist_ok=True)
-    major = int(trt.__version__.split(".")[0])
-    weak_flags = hasattr(trt.BuilderFlag, "FP16")
-    graph_fp16 = manifest.get("dtype") == "float16"
-    if not weak_flags and (int8 or (fp16 and not graph_fp16)):
-        raise TensorRTUnavailable(
-            f"TensorRT {trt.__version__} builds strongly typed networks only (no fp16/int8 "
-            "builder flags): export with 'specrelay export onnx --fp16' and build from the "
-            "fp16/ folder; int8 needs an ONNX with Q/DQ nodes")
-
+    weak_flags, graph_fp16 = _check_precision(trt, manifest, fp16, int8)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    flags = 0
-    if major < 10:
-        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
-    # An fp16 graph carries its own types: build it strongly typed where supported.
-    strongly = graph_fp16 and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
-    if strongly:
-        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(model_path)):
-        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT could not parse {model_path}: {errs}")
-
+    flags, strongly = _network_flags(trt, graph_fp16)
+    network, _parser = _parse(trt, builder, logger, model_path, flags)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
-    precision = ["fp16" if graph_fp16 else "fp32"]
-    if weak_flags and not strongly:
-        if fp16:
-            config.set_flag(trt.BuilderFlag.FP16)
-            precision.append("fp16")
-        if int8:
-            config.set_flag(trt.BuilderFlag.INT8)
-            precision.append("int8")
-    inputs = [network.get_input(i).name for i in range(network.num_inputs)]
-    shapes = profile_shapes(manifest, max_batch=max_batch, max_seq=max_seq,
-                            max_past=max_past, opt_past=opt_past, input_names=inputs)
-    missing = [n for n in inputs if n not in shapes]
-    if missing:
-        raise RuntimeError(f"no profile for inputs {missing}: not a specrelay/optimum export")
-    profile = builder.create_optimization_profile()
-    for name, s in shapes.items():
-        profile.set_shape(name, s["min"], s["opt"], s["max"])
-    config.add_optimization_profile(profile)
-
+    precision = _precision(trt, config, graph_fp16=graph_fp16, weak_flags=weak_flags,
+                           strongly=strongly, fp16=fp16, int8=int8)
+    shapes = _add_profile(builder, config, network, manifest, dict(
+        max_batch=max_batch, max_seq=max_seq, max_past=max_past, opt_past=opt_past))
     t0 = time.perf_counter()
-    plan = builder.build_serialized_network(network, config)
-    if plan is None:
-        raise RuntimeError("TensorRT engine build failed (see the TensorRT log above)")
-    engine_path = out / ENGINE_NAME
-    with open(engine_path, "wb") as f:
-        f.write(plan)
-    man = {
-        "format": "specrelay-tensorrt", "version": 1, "engine_file": ENGINE_NAME,
-        "onnx": str(model_path), "tensorrt_version": trt.__version__,
-        "device": _gpu_name(), "precision": sorted(set(precision)),
-        "requested": {"fp16": fp16, "int8": int8}, "workspace_gb": workspace_gb,
-        "profiles": [shapes],
-        "outputs": [network.get_output(i).name for i in range(network.num_outputs)],
-        "build_seconds": round(time.perf_counter() - t0, 1),
-        "engine_bytes": engine_path.stat().st_size,
-        **{k: manifest[k] for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size")
-           if k in manifest},
-        "onnx_dtype": manifest.get("dtype"),
-    }
+    engine_path = _build(builder, network, config, out / ENGINE_NAME)
+    man = _engine_manifest(trt, engine_path, model_path, manifest, network,
+                           precision=sorted(set(precision)),
+                           requested={"fp16": fp16, "int8": int8}, workspace_gb=workspace_gb,
+                           profiles=[shapes],
+                           build_seconds=round(time.perf_counter() - t0, 1))
     (out / MANIFEST_NAME).write_text(json.dumps(man, indent=2) + "\n")
     return man

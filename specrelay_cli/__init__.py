@@ -109,7 +109,7 @@ def main(debug):
 
 
 def _distill_command() -> click.Command:
-    from exporters.distill import distill_command   # imports torch: only when used
+    from exporters.distill.cli import distill_command   # imports torch: only when used
 
     return distill_command
 

@@ -41,7 +41,7 @@ def make_drafter(spec: str):
     target's: draft and target share it). A first use of an ONNX runtime exports the
     draft into the cache (~90 s for the 0.5B draft); torch drafts load in ``auto`` dtype
     (bfloat16 where the CPU computes it natively): the draft never touches exactness."""
-    from edge_sdk.drafters.runtime import build_drafter
+    from exporters.onnx.first_use import build_drafter
 
     return build_drafter(spec, dtype="auto", echo=lambda m: click.echo(m, err=True))
 

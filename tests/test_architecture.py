@@ -104,6 +104,43 @@ def test_no_hidden_imports():
                 raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno}: __import__")
 
 
+#: Imports from the SDK into exporters allowed anyway, each with its reason. The SDK is
+#: what an app embeds; exporters (ONNX/TensorRT compile, distillation) depend on it,
+#: never the other way (a missing ONNX export is built by a caller that passes
+#: ``export=`` to ``edge_sdk.drafters.runtime.build_drafter``).
+SDK_TO_EXPORTERS_ALLOWED: dict[tuple[str, str], str] = {}
+"""``(module, import) -> why``: edge_sdk -> exporters imports that are allowed (none:
+the CLI, bench and examples export on first use through ``exporters.onnx.first_use``)."""
+
+
+def upward_imports(graph: dict[str, set[str]], low: str, high: str,
+                   allowed=frozenset()) -> list[tuple[str, str]]:
+    """``(module, dependency)`` pairs where a module of package ``low`` imports one of
+    package ``high`` (lazy imports included), minus the ``allowed`` pairs."""
+    def under(m, p):
+        return m == p or m.startswith(p + ".")
+
+    return sorted((m, d) for m, deps in graph.items() if under(m, low)
+                  for d in deps if under(d, high) and (m, d) not in allowed)
+
+
+def test_upward_import_check_finds_a_lazy_import():
+    g = {"edge_sdk.a": {"exporters.onnx.x"}, "edge_sdk.b": {"edge_sdk.a"},
+         "exporters.onnx.x": {"edge_sdk.b"}}
+    assert upward_imports(g, "edge_sdk", "exporters") == [("edge_sdk.a", "exporters.onnx.x")]
+    assert upward_imports(g, "edge_sdk", "exporters",
+                          {("edge_sdk.a", "exporters.onnx.x")}) == []
+
+
+def test_sdk_imports_no_exporters():
+    """Not even lazily: the edge SDK loads drafts, the exporters build them."""
+    graph = import_graph()
+    assert "exporters.onnx.first_use" in graph and "edge_sdk.drafters.runtime" in graph
+    assert upward_imports(graph, "edge_sdk", "exporters", set(SDK_TO_EXPORTERS_ALLOWED)) == []
+    for (m, d) in SDK_TO_EXPORTERS_ALLOWED:   # an allowance that is no longer used goes
+        assert d in graph.get(m, set()), f"unused allowance {m} -> {d}"
+
+
 def _loaded_after(code: str) -> tuple[set[str], dict]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")}
@@ -129,6 +166,13 @@ def test_importing_the_sdk_loads_no_server_bench_or_training_code():
                          "matplotlib", "specrelay_cli", "onnx", "prometheus_client",
                          "limits")) == []
     assert env["HF_HUB_OFFLINE"] is None, "importing the SDK changed the host's environment"
+
+
+def test_importing_the_edge_server_loads_no_exporters():
+    """The one allowed SDK -> exporters import stays inside the edge-serve command."""
+    mods, _ = _loaded_after("import edge_sdk.openai_server\nimport edge_sdk.drafters.runtime")
+    assert "edge_sdk.openai_server" in mods
+    assert _under(mods, ("exporters", "bench", "onnx")) == []
 
 
 def test_importing_the_cloud_app_loads_no_edge_client():

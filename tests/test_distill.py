@@ -1,4 +1,4 @@
-"""Draft distillation (exporters/distill.py): tiny random Llama targets, end to end."""
+"""Draft distillation (exporters/distill/): tiny random Llama targets, end to end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from exporters import distill as D  # noqa: E402
+from edge_sdk.draft_format import (EVAL_NAME, MANIFEST_NAME, VOCAB_NAME,  # noqa: E402
+                                   WEIGHTS_NAME, ReducedHead, build_draft, save_draft,
+                                   trainable_parameters)
+from exporters.distill import draft_folder, load_draft  # noqa: E402
+from exporters.distill.config import DistillConfig  # noqa: E402
+from exporters.distill.evaluate import (accepted_lengths, evaluate,  # noqa: E402
+                                        simulate_blocks)
+from exporters.distill.pipeline import run_distill  # noqa: E402
+from exporters.distill.prompts import PromptItem, split_prompts  # noqa: E402
+from exporters.distill.teacher import generate_batch  # noqa: E402
 
 VOCAB = 64
 
@@ -81,13 +90,13 @@ def _cfg(target_dir, pc, tmp_path, **kw):
                 save_dtype="float32", progress=False, train_dtype="float32",
                 data_dtype="float32")
     base.update(kw)
-    return D.DistillConfig(**base)
+    return DistillConfig(**base)
 
 
 def test_distill_end_to_end_lowers_kl_and_round_trips(target_dir, prompts_and_corpus,
                                                       tmp_path):
     cfg = _cfg(target_dir, prompts_and_corpus, tmp_path)
-    res = D.run_distill(cfg)
+    res = run_distill(cfg)
     tr = res["train"]
     assert tr["steps"] >= 5
     assert tr["probe_after"]["kl"] < 0.8 * tr["probe_before"]["kl"]
@@ -96,18 +105,18 @@ def test_distill_end_to_end_lowers_kl_and_round_trips(target_dir, prompts_and_co
     assert 0.0 <= ev["agreement"] <= 1.0
     assert res["speed"]["draft_ms_per_token"] > 0
     out = tmp_path / "draft"
-    man = json.loads((out / D.MANIFEST_NAME).read_text())
+    man = json.loads((out / MANIFEST_NAME).read_text())
     assert man["target"] == str(target_dir) and man["init_layers"] == [0, 3]
-    assert json.loads((out / D.EVAL_NAME).read_text())["heldout"] == ev
+    assert json.loads((out / EVAL_NAME).read_text())["heldout"] == ev
 
     # Round trip: the loaded draft gives identical logits to a draft rebuilt from the
     # trained tensors kept in the last checkpoint.
-    draft, tok = D.load_draft(out)
+    draft, tok = load_draft(out)
     ck = torch.load(next((tmp_path / "work").glob("train-*/ckpt.pt")), weights_only=False)
     from edge_sdk.models import load_model
 
     tgt, _ = load_model(str(target_dir))
-    ref = D.build_draft(tgt, [0, 1])
+    ref = build_draft(tgt, [0, 1])
     ref.load_state_dict(ck["model"], strict=False)
     x = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -117,34 +126,34 @@ def test_distill_end_to_end_lowers_kl_and_round_trips(target_dir, prompts_and_co
 
 def test_resume_skips_finished_stages(target_dir, prompts_and_corpus, tmp_path):
     cfg = _cfg(target_dir, prompts_and_corpus, tmp_path, max_steps=6, eval=False)
-    D.run_distill(cfg)
+    run_distill(cfg)
     work = tmp_path / "work"
     shards = sorted(p.name for p in work.glob("data-*/*.pt"))
     mtimes = {p: p.stat().st_mtime_ns for p in work.glob("data-*/*.pt")}
-    first = (tmp_path / "draft" / D.WEIGHTS_NAME).read_bytes()
-    D.run_distill(cfg)  # everything cached: same data, same weights
+    first = (tmp_path / "draft" / WEIGHTS_NAME).read_bytes()
+    run_distill(cfg)  # everything cached: same data, same weights
     assert sorted(p.name for p in work.glob("data-*/*.pt")) == shards
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
-    assert (tmp_path / "draft" / D.WEIGHTS_NAME).read_bytes() == first
+    assert (tmp_path / "draft" / WEIGHTS_NAME).read_bytes() == first
     # Same seed in a fresh work dir: identical result (deterministic).
     cfg2 = _cfg(target_dir, prompts_and_corpus, tmp_path, max_steps=6, eval=False,
                 work_dir=str(tmp_path / "work2"), out=str(tmp_path / "draft2"))
-    D.run_distill(cfg2)
-    assert (tmp_path / "draft2" / D.WEIGHTS_NAME).read_bytes() == first
+    run_distill(cfg2)
+    assert (tmp_path / "draft2" / WEIGHTS_NAME).read_bytes() == first
 
 
 def test_stored_folder_holds_only_trained_parts(tmp_path):
     from safetensors.torch import load_file
 
     tgt = _target()
-    d = D.build_draft(tgt, [1, 2], kept_ids=torch.tensor([0, 5, 7, 9]))
-    D.save_draft(d, tmp_path / "f", "dummy-target", [1, 2], "float16", target=tgt)
-    st = load_file(str(tmp_path / "f" / D.WEIGHTS_NAME))
+    d = build_draft(tgt, [1, 2], kept_ids=torch.tensor([0, 5, 7, 9]))
+    save_draft(d, tmp_path / "f", "dummy-target", [1, 2], "float16", target=tgt)
+    st = load_file(str(tmp_path / "f" / WEIGHTS_NAME))
     assert st and all(k.startswith(("model.layers.", "model.norm.")) for k in st)
     assert not any("embed" in k or "lm_head" in k for k in st)
     assert all(v.dtype == torch.float16 for v in st.values())
     assert {k.split(".")[2] for k in st if k.startswith("model.layers.")} == {"0", "1"}
-    assert load_file(str(tmp_path / "f" / D.VOCAB_NAME))["kept_ids"].tolist() == [0, 5, 7, 9]
+    assert load_file(str(tmp_path / "f" / VOCAB_NAME))["kept_ids"].tolist() == [0, 5, 7, 9]
     cfg = json.loads((tmp_path / "f" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["vocab_size"] == VOCAB
     # A plain transformers load works (the shared parts come back randomly initialised;
@@ -158,7 +167,7 @@ def test_stored_folder_holds_only_trained_parts(tmp_path):
 def test_reduced_head_is_a_distribution_over_full_vocab():
     tgt = _target()
     kept = torch.tensor([0, 3, 4, 10, 33, 63])
-    d = D.build_draft(tgt, [0, 1], kept_ids=kept)
+    d = build_draft(tgt, [0, 1], kept_ids=kept)
     x = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = d(input_ids=x).logits[0]  # [7, V]
@@ -170,7 +179,7 @@ def test_reduced_head_is_a_distribution_over_full_vocab():
     assert torch.allclose(q.sum(-1), torch.ones(7, dtype=torch.float64), atol=1e-12)
     assert torch.all(q[:, kept] > 0)
     # kept logits equal the full head's logits on those ids
-    full = D.build_draft(tgt, [0, 1])
+    full = build_draft(tgt, [0, 1])
     with torch.no_grad():
         ref = full(input_ids=x).logits[0]
     assert torch.allclose(logits[:, kept], ref[:, kept], atol=1e-5)
@@ -178,10 +187,10 @@ def test_reduced_head_is_a_distribution_over_full_vocab():
 
 def test_shared_parts_are_the_targets_and_frozen():
     tgt = _target(tied=False)
-    d = D.build_draft(tgt, [2])
+    d = build_draft(tgt, [2])
     assert d.model.embed_tokens.weight is tgt.model.embed_tokens.weight
     assert d.lm_head.weight is tgt.lm_head.weight
-    names = {n for n, p in d.named_parameters() if p in set(D.trainable_parameters(d))}
+    names = {n for n, p in d.named_parameters() if p in set(trainable_parameters(d))}
     assert names and all(n.startswith(("model.layers.", "model.norm.")) for n in names)
     # the layer is a copy of target layer 2, not shared
     assert d.model.layers[0].mlp.up_proj.weight is not tgt.model.layers[2].mlp.up_proj.weight
@@ -195,10 +204,10 @@ def test_torch_drafter_runs_on_loaded_reduced_draft(tmp_path, target_dir):
 
     tgt, _ = load_model(str(target_dir))
     kept = torch.arange(0, VOCAB, 2)
-    D.save_draft(D.build_draft(tgt, [0, 1], kept), tmp_path / "rd", str(target_dir), [0, 1],
+    save_draft(build_draft(tgt, [0, 1], kept), tmp_path / "rd", str(target_dir), [0, 1],
                  "float32", target=tgt)
     draft, _ = load_model(str(tmp_path / "rd"))  # edge_sdk.models delegates to load_draft
-    assert isinstance(draft.lm_head, D.ReducedHead)
+    assert isinstance(draft.lm_head, ReducedHead)
     dr = TorchDrafter(draft)
     blk = dr.propose([1, 5, 9, 2], 4, SamplingConfig(temperature=0.0))
     assert len(blk.tokens) == 4 and all(t % 2 == 0 for t in blk.tokens)
@@ -211,23 +220,23 @@ def test_torch_drafter_runs_on_loaded_reduced_draft(tmp_path, target_dir):
 
 def test_load_draft_refuses_other_target(tmp_path, target_dir):
     tgt = _target(seed=5)
-    D.save_draft(D.build_draft(tgt, [0]), tmp_path / "x", str(target_dir), [0], "float32",
+    save_draft(build_draft(tgt, [0]), tmp_path / "x", str(target_dir), [0], "float32",
                  target=tgt)
     with pytest.raises(ValueError, match="different embedding"):
-        D.load_draft(tmp_path / "x")
+        load_draft(tmp_path / "x")
 
 
 def test_block_simulation():
-    assert D.accepted_lengths([True] * 10, 4) == [5, 5]
-    assert D.simulate_blocks([False, True, True, False, True], 4) == [(0, 1), (2, 3), (1, 1)]
-    assert D.accepted_lengths([], 4) == []
+    assert accepted_lengths([True] * 10, 4) == [5, 5]
+    assert simulate_blocks([False, True, True, False, True], 4) == [(0, 1), (2, 3), (1, 1)]
+    assert accepted_lengths([], 4) == []
 
 
 def test_split_is_by_prompt_and_deterministic():
-    items = [D.PromptItem(f"s/{i}", "s", "chat", f"t{i}") for i in range(20)] + \
-            [D.PromptItem(f"c/{i}", "c", "completion", f"c{i}") for i in range(10)]
-    tr, he = D.split_prompts(items, 0.2, 3, seed=7)
-    tr2, he2 = D.split_prompts(items, 0.2, 3, seed=7)
+    items = [PromptItem(f"s/{i}", "s", "chat", f"t{i}") for i in range(20)] + \
+            [PromptItem(f"c/{i}", "c", "completion", f"c{i}") for i in range(10)]
+    tr, he = split_prompts(items, 0.2, 3, seed=7)
+    tr2, he2 = split_prompts(items, 0.2, 3, seed=7)
     assert [p.id for p in he] == [p.id for p in he2]
     assert not {p.id for p in tr} & {p.id for p in he}
     assert len(tr) + len(he) == 30
@@ -244,22 +253,22 @@ def test_committed_default_draft_beats_truncated_baseline():
 
     if not draft_available("smollm2-135m-draft"):
         pytest.skip("default draft not committed")
-    folder = D.draft_folder("smollm2-135m-draft")
+    folder = draft_folder("smollm2-135m-draft")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tgt, tok = load_model("smollm2-135m")
-    draft, _ = D.load_draft("smollm2-135m-draft", target=(tgt, tok))
-    trunc = D.build_draft(tgt, [0, 1, 2, 3])
+    draft, _ = load_draft("smollm2-135m-draft", target=(tgt, tok))
+    trunc = build_draft(tgt, [0, 1, 2, 3])
     prompts = [("How do I make a good cup of coffee?", True),
                ("def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is prime.\"\"\"\n",
                 False)]
     paths = []
     for text, chat in prompts:
         ids = encode_prompt(tok, text, chat)
-        r = D.generate_batch(tgt, [ids], 40, [tok.eos_token_id], 0)[0]
+        r = generate_batch(tgt, [ids], 40, [tok.eos_token_id], 0)[0]
         paths.append({"id": text, "domain": "chat" if chat else "code", "ids": r["ids"],
                       "prompt_len": r["prompt_len"]})
-    ours = D.evaluate(draft, paths, 4)
-    base = D.evaluate(trunc, paths, 4)
+    ours = evaluate(draft, paths, 4)
+    base = evaluate(trunc, paths, 4)
     assert ours["agreement"] > base["agreement"] + 0.1, (ours, base)
     assert ours["mean_accepted_length"] > base["mean_accepted_length"]
 

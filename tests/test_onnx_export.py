@@ -20,7 +20,8 @@ from edge_sdk.drafters.onnx import (OnnxDrafter, OnnxRunner, _trt_shape_option,
 from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.protocol.sampling import SamplingConfig, process_logits
 from exporters.cli import export
-from exporters.onnx import _KVWrapper, check_parity, io_names
+from exporters.onnx.graph import _KVWrapper, io_names
+from exporters.onnx.parity import check_parity
 from exporters.tensorrt import profile_shapes, unavailable_reason
 
 VOCAB, LAYERS, KV_HEADS, HEAD_DIM = 96, 2, 2, 16
@@ -226,7 +227,8 @@ def test_reduced_head_with_inf_logits_exports_and_drafts(tmp_path):
     """-inf logits (a reduced draft head) survive export, parity and sampling."""
     import copy
 
-    from exporters.onnx import export_graph, kv_geometry, write_manifest
+    from exporters.onnx.graph import export_graph, kv_geometry
+    from exporters.onnx.manifest import write_manifest
 
     m = copy.deepcopy(tiny_llama(seed=2))
     kept = torch.arange(0, VOCAB, 3)
@@ -318,7 +320,8 @@ def test_cli_help_documents_both_commands():
 def test_real_draft_export_parity(tmp_path):
     """Export the real draft (or the first 4 layers of SmolLM2-135M) and check parity."""
     from edge_sdk.models import load_model
-    from exporters.onnx import PARITY_TEXTS, export_onnx
+    from exporters.onnx.export import export_onnx
+    from exporters.onnx.parity import PARITY_TEXTS
 
     asset = Path(__file__).resolve().parents[1] / "edge_sdk/assets/drafts/smollm2-135m-draft"
     spec = str(asset) if any((asset / f).exists() for f in (

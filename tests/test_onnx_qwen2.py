@@ -19,7 +19,10 @@ import torch
 from edge_sdk.drafters.onnx import OnnxDrafter
 from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.protocol.sampling import SamplingConfig
-from exporters.onnx import check_parity, export_graph, export_onnx, quantize_int4
+from exporters.onnx.export import export_onnx
+from exporters.onnx.graph import export_graph
+from exporters.onnx.parity import check_parity
+from exporters.onnx.quantize import quantize_int4
 
 VOCAB, LAYERS, HEADS, KV_HEADS, HIDDEN = 512, 2, 4, 2, 64
 
@@ -167,16 +170,24 @@ def test_runtime_spec_suffix_and_cache_path(monkeypatch, tmp_path):
 
 
 def test_runtime_builds_caches_and_reuses_onnx_int4(monkeypatch, tmp_path):
-    """``build_drafter(folder, runtime="onnx-int4")`` exports once into the cache
-    (atomically: no temp folder left), reuses it, and rebuilds on a key change."""
+    """The SDK's ``build_drafter`` only loads: a missing export raises a one-line
+    ExportMissing naming the export command. The exporters' ``build_drafter(folder,
+    runtime="onnx-int4")`` exports once into the cache (atomically: no temp folder
+    left) and reuses it; the SDK then loads that cached folder."""
     from edge_sdk.drafters import runtime as rt
+    from exporters.onnx import first_use as fu
 
     m = tiny_qwen2(seed=5)
     src = tmp_path / "draft"
     m.save_pretrained(src)
     _save_tokenizer(src)
     monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
-    d, tok = rt.build_drafter(str(src) + "+onnx-int4")
+    with pytest.raises(rt.ExportMissing, match=r"specrelay export onnx .* --int4 .*"
+                       r"specrelay\[export\]") as e:
+        rt.build_drafter(str(src) + "+onnx-int4")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "cache").exists()
+    d, tok = fu.build_drafter(str(src) + "+onnx-int4")
     assert isinstance(d, OnnxDrafter) and tok is not None
     folder = rt.onnx_cache_path(str(src), "int4")
     man = _manifest(folder)
@@ -186,9 +197,12 @@ def test_runtime_builds_caches_and_reuses_onnx_int4(monkeypatch, tmp_path):
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
     mtime = (folder / "model.onnx").stat().st_mtime_ns
     calls = []
-    monkeypatch.setattr(rt, "build_onnx_export", lambda *a, **k: calls.append(a))
-    d2, _ = rt.build_drafter(str(src), runtime="onnx-int4")
+    monkeypatch.setattr(fu, "build_onnx_export", lambda *a, **k: calls.append(a))
+    d2, _ = fu.build_drafter(str(src), runtime="onnx-int4")
     assert not calls and (folder / "model.onnx").stat().st_mtime_ns == mtime
+    d3, _ = rt.build_drafter(str(src), runtime="onnx-int4")  # the SDK loads the cache
+    assert d3.propose([1, 2, 3], 3, SamplingConfig()).tokens == d.propose(
+        [1, 2, 3], 3, SamplingConfig()).tokens
     assert d2.propose([1, 2, 3], 3, SamplingConfig()).tokens == d.propose(
         [1, 2, 3], 3, SamplingConfig()).tokens
     assert d2.runner.session.get_session_options().intra_op_num_threads == 1
@@ -223,7 +237,7 @@ def test_real_qwen_0_5b_int4_export_agrees_with_torch(tmp_path):
     int4 draft agrees with the bf16 torch draft on a short chat prompt."""
     import json
 
-    from edge_sdk.drafters.runtime import ensure_onnx_export
+    from exporters.onnx.first_use import ensure_onnx_export
     from edge_sdk.models import encode_prompt, load_model
     from exporters.speed import agreement, greedy_tokens, onnx_backend, torch_backend
 

@@ -15,7 +15,7 @@ from cloud_api.server import BackgroundServer
 from cloud_api.service import CloudService
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.drafters.onnx import OnnxDrafter
-from exporters.onnx import export_onnx
+from exporters.onnx.export import export_onnx
 from tests.conftest import tiny_model, tiny_tokenizer
 from tests.test_e2e_distribution import PROMPT, V, exact_pairs, pvalue
 

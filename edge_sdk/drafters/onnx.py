@@ -1,6 +1,6 @@
 """onnxruntime draft backend: a decoder exported with KV-cache inputs/outputs.
 
-The graph follows optimum's naming (``exporters/onnx.py`` writes it):
+The graph follows optimum's naming (``exporters.onnx.graph`` writes it):
 
 inputs
     ``input_ids`` int64 [B, S]; ``attention_mask`` int64 [B, P+S] (if present);

@@ -15,33 +15,37 @@ draft may be quantised freely; a worse draft only lowers acceptance. Runtimes:
 
 Qwen2.5-Coder-0.5B, one thread, ~100-token context (``python -m exporters.speed``):
 torch bf16 81 ms/token; torch int8 22 ms (greedy agreement with the bf16 draft 0.90);
-onnx fp32 62 ms (0.994); onnx int8 21 ms (0.992); onnx int4 15 ms (0.945). First use
-of an ONNX runtime exports it: ~80-90 s and ~8 GB peak memory, ~0.9 GB on disk (int4).
+onnx fp32 62 ms (0.994); onnx int8 21 ms (0.992); onnx int4 15 ms (0.945).
 
-ONNX runtimes are exported on first use into ``$SPECRELAY_CACHE/onnx/<name>-<variant>``
-(written to a temporary folder and renamed into place, so a crash or a concurrent
-build never leaves a half-written export); later uses load the folder in ~1 s.
+Why the SDK does not export: ONNX runtimes load a cached export from ``$SPECRELAY_CACHE/onnx/<name>-<variant>``
+(~1 s). This module only *loads* exports: the SDK (what an app embeds) carries no
+training/compile code, so it never imports :mod:`exporters`. A missing or stale export
+is built by whoever passes ``export=`` to :func:`build_drafter` (dependency injection:
+the arrow points from exporters to the SDK, never back): the ``specrelay`` CLI calls :func:`exporters.onnx.first_use.build_drafter` (this function with
+``export=ensure_onnx_export``), so the default draft is exported on first use (~80-90 s
+and ~8 GB peak memory, ~0.9 GB on disk in int4; written to a temporary folder and
+renamed into place, so a crash or a concurrent build never leaves a half-written
+export). Without ``export=`` a missing export raises :class:`ExportMissing`, whose
+one-line message names ``specrelay export onnx`` and the ``[export]`` extra.
 
 Use::
 
     from edge_sdk.drafters.runtime import build_drafter
+    drafter, tok = build_drafter("qwen2.5-coder-0.5b")                # torch
+    drafter, tok = build_drafter("qwen2.5-coder-0.5b+onnx-int4")      # cached int4 export
+    drafter, tok = build_drafter("/path/to/onnx-export")              # an export folder
+
+    from exporters.onnx.first_use import build_drafter                # exports on first use
     drafter, tok = build_drafter("qwen2.5-coder-0.5b", runtime="onnx-int4")
-    drafter, tok = build_drafter("qwen2.5-coder-0.5b+onnx-int4")   # same, as a suffix
-    drafter, tok = build_drafter("/path/to/onnx-export")           # an export folder
 
 ``tok`` is None for an export folder (draft and target share the tokenizer).
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
-import os
-import shutil
-import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -57,9 +61,15 @@ ONNX_VARIANTS = {
     "int4": {"bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4,
              "lm_head_bits": 4},
 }
-#: Decode steps the first-use build checks (fp32 parity with torch; int4 agreement).
-BUILD_CHECK_STEPS = 16
 _CACHE_FORMAT = 1
+
+#: ``export(spec, variant, echo=...) -> folder``: builds a missing cached export
+#: (:func:`exporters.onnx.first_use.ensure_onnx_export`).
+Exporter = Callable[..., Path]
+
+
+class ExportMissing(FileNotFoundError):
+    """No current cached ONNX export of a draft, and no ``export=`` to build one."""
 
 
 def split_runtime(spec: str) -> tuple[str, str | None]:
@@ -116,7 +126,9 @@ def onnx_cache_path(spec: str, variant: str = "int4") -> Path:
     return cache_dir() / "onnx" / f"{name}-{variant}"
 
 
-def _cached_ok(folder: Path, key: str) -> bool:
+def export_is_current(folder: Path, key: str) -> bool:
+    """True when ``folder`` holds a complete export (manifest and graph) whose manifest
+    records ``cache_key == key``."""
     from edge_sdk.drafters.onnx import MANIFEST_NAME, MODEL_NAME
 
     mf = folder / MANIFEST_NAME
@@ -128,114 +140,35 @@ def _cached_ok(folder: Path, key: str) -> bool:
         return False
 
 
-def build_onnx_export(spec: str, out: str | os.PathLike, variant: str = "int4", *,
-                      check_steps: int = BUILD_CHECK_STEPS,
-                      echo: Callable[[str], None] | None = None) -> dict:
-    """Export ``spec`` to ONNX ``variant`` (``fp32``, ``int8`` or ``int4``) in ``out``
-    (created; must not exist), memory-lean: the model is loaded in bfloat16 and widened
-    to float32 in place (the bf16 draft's exact weights), traced, parity-checked on a
-    real prompt (``check_steps`` greedy steps; a failure raises RuntimeError), freed,
-    then quantised (:func:`exporters.onnx.quantize_weights` with
-    :data:`ONNX_VARIANTS`). For a quantised variant only its graph is kept; its greedy
-    agreement with the float32 graph is recorded in the manifest (``agreement_vs_fp32``).
-
-    Returns the written manifest (with ``build_seconds``).
-    """
-    from edge_sdk.models import encode_prompt, load_model
-    from exporters.onnx import (DEFAULT_OPSET, MODEL_NAME, _manifest, check_parity,
-                                compare_exports, export_graph, quantize_weights,
-                                write_manifest)
-
-    if variant not in ONNX_VARIANTS:
-        raise ValueError(f"unknown ONNX variant {variant!r} (one of {sorted(ONNX_VARIANTS)})")
-    echo = echo or log.info
-    out = Path(out)
-    t0 = time.perf_counter()
-    model, tok = load_model(spec, dtype="bfloat16")
-    model.float()  # in place: no second copy
-    vocab = int(model.config.vocab_size)
-    try:
-        prompts = [encode_prompt(tok, "Write a Python function that reverses a string.",
-                                 chat=True)]
-        prompts = [[t for t in p if t < vocab] for p in prompts]
-    except Exception:  # noqa: BLE001 - no usable tokenizer: fixed ids
-        from exporters.onnx import default_prompt
-
-        prompts = [default_prompt(vocab)]
-    fp32_dir = out / "fp32" if variant != "fp32" else out
-    echo(f"exporting {spec} to ONNX ({variant}) in {out} ...")
-    export_graph(model, fp32_dir / MODEL_NAME, opset=DEFAULT_OPSET)
-    man = _manifest(model, dtype="float32", kv_dtype="float32", opset=DEFAULT_OPSET,
-                    source=spec, external=(fp32_dir / (MODEL_NAME + ".data")).exists())
-    write_manifest(fp32_dir, man)
-    par = check_parity(fp32_dir, model, steps=check_steps, prompt=prompts[0], threads=1)
-    if not par["passed"]:
-        raise RuntimeError(f"ONNX parity check failed for {spec}: {par}")
-    man["parity"] = par
-    del model
-    gc.collect()
-    if variant == "fp32":
-        man["build_seconds"] = round(time.perf_counter() - t0, 1)
-        write_manifest(out, man)
-        return man
-    qinfo = quantize_weights(fp32_dir / MODEL_NAME, out / MODEL_NAME,
-                             **ONNX_VARIANTS[variant])
-    vm = dict(man, dtype=variant, external_data=(
-        MODEL_NAME + ".data") if (out / (MODEL_NAME + ".data")).exists() else None)
-    vm.pop("parity")
-    vm["fp32_parity"] = par
-    vm["quantization"] = qinfo
-    write_manifest(out, vm)
-    vm["agreement_vs_fp32"] = compare_exports(out, fp32_dir, prompts, check_steps,
-                                              threads=1)
-    shutil.rmtree(fp32_dir)
-    vm["build_seconds"] = round(time.perf_counter() - t0, 1)
-    write_manifest(out, vm)
-    return vm
+def _missing(spec: str, variant: str, folder: Path) -> ExportMissing:
+    flag, sub = ("", "DIR") if variant == "fp32" else (f" --{variant}", f"DIR/{variant}")
+    return ExportMissing(
+        f"no current ONNX {variant} export of {spec} in {folder}: run `specrelay export "
+        f"onnx {spec} --dtype bfloat16{flag} --out DIR` (pip install 'specrelay[export]') "
+        f"and load {sub}, or build it on first use with "
+        f"exporters.onnx.first_use.build_drafter")
 
 
-def ensure_onnx_export(spec: str, variant: str = "int4", *,
+def onnx_export_folder(spec: str, variant: str, export: Exporter | None = None,
                        echo: Callable[[str], None] | None = None) -> Path:
-    """The cached ONNX export of ``spec`` (:func:`onnx_cache_path`), built on first use
-    with :func:`build_onnx_export` in a temporary sibling folder and renamed into place
-    (atomic; if another process finished first, its folder is used). A cached folder
-    whose ``cache_key`` no longer matches (new weights, settings or library versions)
-    is rebuilt. Returns the folder."""
-    from exporters.onnx import write_manifest
+    """The cached ONNX ``variant`` export of ``spec``: built (or rebuilt when stale) by
+    ``export`` when given, else the current cached folder.
 
-    final = onnx_cache_path(spec, variant)
-    key = cache_key(spec, variant)
-    if _cached_ok(final, key):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        man = build_onnx_export(spec, tmp, variant, echo=echo)
-        man["cache_key"] = key
-        write_manifest(tmp, man)
-        if final.exists():  # stale (key mismatch): move it aside, then replace
-            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-            try:
-                os.rename(final, old)
-            except OSError:
-                pass
-            else:
-                shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _cached_ok(final, key):  # not a lost race: a real failure
-                raise
-        (echo or log.info)(f"ONNX {variant} export of {spec} cached in {final} "
-                           f"({man['build_seconds']} s)")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    Raises:
+        ExportMissing: no current cached export and no ``export``.
+    """
+    if export is not None:
+        return Path(export(spec, variant, echo=echo))
+    folder = onnx_cache_path(spec, variant)
+    if not export_is_current(folder, cache_key(spec, variant)):
+        raise _missing(spec, variant, folder)
+    return folder
 
 
 def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = None,
                   threads: int | None = None, providers=None,
-                  echo: Callable[[str], None] | None = None):
+                  echo: Callable[[str], None] | None = None,
+                  export: Exporter | None = None):
     """A :class:`~edge_sdk.drafters.base.Drafter` for ``spec`` on ``runtime``.
 
     Args:
@@ -252,10 +185,14 @@ def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = 
             torch's global setting alone unless given (it is process-wide).
         providers: onnxruntime execution providers (default CPU for cached exports).
         echo: progress messages (first-use export); default the module logger.
+        export: builds a missing or stale ONNX export (:data:`Exporter`; the CLI passes
+            :func:`exporters.onnx.first_use.ensure_onnx_export`). None: load only.
     Returns:
         ``(drafter, tokenizer or None)``.
     Raises:
         ValueError: an unknown runtime.
+        ExportMissing: an ``onnx-*`` runtime whose export is not cached, without
+            ``export``.
     """
     from edge_sdk.drafters.onnx import MANIFEST_NAME, OnnxDrafter
 
@@ -268,16 +205,21 @@ def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = 
     if runtime.startswith("onnx-"):
         from edge_sdk.models import load_tokenizer
 
-        folder = ensure_onnx_export(spec, runtime.split("-", 1)[1], echo=echo)
+        folder = onnx_export_folder(spec, runtime.split("-", 1)[1], export, echo)
         return OnnxDrafter(folder, providers=providers or "cpu", threads=threads or 1), \
             load_tokenizer(spec)
+    return _torch_drafter(spec, runtime, dtype, threads)
+
+
+def _torch_drafter(spec: str, runtime: str, dtype: str | None, threads: int | None):
+    """``runtime`` ``torch`` (in ``dtype``) or ``torch-int8`` (float32 weights from the
+    bf16 load, the draft's exact values, every Linear dynamically int8)."""
     from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import load_model
 
     if runtime == "torch":
         model, tok = load_model(spec, threads=threads, **({"dtype": dtype} if dtype else {}))
         return TorchDrafter(model), tok
-    # torch-int8: float32 weights (from the bf16 load: the draft's exact values)
     from edge_sdk.drafters.torch import quantize_dynamic_int8
 
     model, tok = load_model(spec, dtype="bfloat16", threads=threads)

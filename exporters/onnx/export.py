@@ -1,0 +1,150 @@
+"""Export a model to an ONNX folder with optional fp16 / int4 / int8 variants, each
+checked (``specrelay export onnx``). Layout::
+
+    OUT/model.onnx  [model.onnx.data]  specrelay_onnx.json      # float32
+    OUT/fp16/model.onnx  specrelay_onnx.json                     # --fp16
+    OUT/int4/model.onnx  specrelay_onnx.json                     # --int4 (MatMulNBits)
+    OUT/int8/model.onnx  specrelay_onnx.json                     # --int8 (MatMulNBits, 8 bits)
+
+Every folder loads with ``OnnxDrafter(folder)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from edge_sdk.drafters.onnx import MODEL_NAME
+from exporters.onnx.graph import DEFAULT_OPSET, export_graph
+from exporters.onnx.manifest import manifest_for, write_manifest
+from exporters.onnx.parity import check_parity, compare_exports, default_prompt
+from exporters.onnx.quantize import quantize_int4, quantize_int8
+
+_QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+
+
+def _has_data(folder: Path) -> bool:
+    return (folder / (MODEL_NAME + ".data")).exists()
+
+
+def _fp32_manifest(model, path: Path, out: Path, opset: int, source, seconds: float,
+                   parity_prompt, steps: int, threads) -> dict:
+    """Write the float32 graph's manifest (``export_seconds``), then again with its
+    :func:`check_parity` result (``parity``) unless ``parity_prompt`` is None."""
+    man = manifest_for(model, dtype="float32", kv_dtype="float32", opset=opset,
+                       source=source, external=_has_data(out))
+    man["export_seconds"] = round(seconds, 2)
+    write_manifest(out, man)
+    if parity_prompt is not None:
+        man["parity"] = check_parity(path, model, steps=steps, prompt=parity_prompt,
+                                     threads=threads)
+    write_manifest(out, man)
+    return man
+
+
+def _fp16_variant(model, out: Path, opset: int, source, verbose: bool) -> dict:
+    """Trace a float16 copy of ``model`` into ``out/fp16``; returns its manifest."""
+    t1 = time.perf_counter()
+    half = copy.deepcopy(model).half().eval()
+    vdir = out / "fp16"
+    export_graph(half, vdir / MODEL_NAME, opset=opset, verbose=verbose)
+    del half
+    vm = manifest_for(model, dtype="float16", kv_dtype="float16", opset=opset,
+                      source=source, external=_has_data(vdir))
+    vm["export_seconds"] = round(time.perf_counter() - t1, 2)
+    return vm
+
+
+def _quantized_variant(model, path: Path, out: Path, name: str, opset: int, source,
+                       block_size: int) -> dict:
+    """Quantise the float32 graph ``path`` into ``out/<name>`` (``int4`` / ``int8``);
+    returns its manifest (with ``quantization``)."""
+    t1 = time.perf_counter()
+    vdir = out / name
+    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, block_size=block_size)
+    vm = manifest_for(model, dtype=name, kv_dtype="float32", opset=opset, source=source,
+                      external=_has_data(vdir))
+    vm["quantization"] = qinfo
+    vm["export_seconds"] = round(time.perf_counter() - t1, 2)
+    return vm
+
+
+def _variants(model, path: Path, out: Path, names: list[str], opset: int, source,
+              verbose: bool, block_size: int) -> dict:
+    """Variant name (``fp16``, ``int4``, ``int8``, in that order) -> its manifest, each
+    written into ``out/<name>``."""
+    variants = {}
+    for name in names:
+        variants[name] = (_fp16_variant(model, out, opset, source, verbose) if name == "fp16"
+                          else _quantized_variant(model, path, out, name, opset, source,
+                                                  block_size))
+    return variants
+
+
+def _write_variants(out: Path, variants: dict, parity: bool, prompts, steps: int,
+                    threads) -> None:
+    """Write each variant's manifest, with its greedy agreement with the float32 graph
+    when ``parity``."""
+    for name, vm in variants.items():
+        vdir = out / name
+        write_manifest(vdir, vm)  # the runner reads it
+        if parity:
+            vm["agreement_vs_fp32"] = compare_exports(vdir, out, prompts, steps,
+                                                      threads=threads)
+            write_manifest(vdir, vm)
+
+
+def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
+                fp16: bool = False, int4: bool = False, int8: bool = False,
+                parity: bool = True,
+                parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
+                source: str | None = None, int4_block_size: int = 32,
+                threads: int | None = None, verbose: bool = False) -> dict:
+    """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
+    variants, checking each.
+
+    Args:
+        out_dir: folder for ``model.onnx`` + ``specrelay_onnx.json`` (``fp16/`` and
+            ``int4/`` subfolders for the variants).
+        fp16: also export a float16 graph (float16 weights, KV and logits).
+        int4: also write a weight-only int4 graph (MatMulNBits, float32 KV/logits).
+        int8: also write a weight-only int8 graph (MatMulNBits 8 bits, float32 KV/logits).
+        parity: run :func:`check_parity` on the float32 export (steps=``parity_steps``)
+            and :func:`compare_exports` on each variant; results go in the manifests.
+        prompts: token-id prompts for the checks (default one :func:`default_prompt`);
+            the first is used for the float32 parity check.
+        source: free text recorded in the manifest (model spec).
+    Returns:
+        the float32 manifest as written (``parity``; ``variants`` -> path and
+        ``agreement_vs_fp32`` per variant) plus ``variant_manifests`` -> each variant's
+        full manifest.
+    Raises:
+        RuntimeError: the float32 export failed its parity check (the files stay on
+        disk, the manifest records the failure).
+    """
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    model = model.eval()
+    if next(model.parameters()).dtype != torch.float32:
+        model = copy.deepcopy(model).float()
+    prompts = [list(p) for p in (prompts or [default_prompt(int(model.config.vocab_size))])]
+    path = export_graph(model, out / MODEL_NAME, opset=opset, verbose=verbose)
+    man = _fp32_manifest(model, path, out, opset, source, time.perf_counter() - t0,
+                         prompts[0] if parity else None, parity_steps, threads)
+    variants = _variants(model, path, out, [n for n, on in (("fp16", fp16), ("int4", int4),
+                                                            ("int8", int8)) if on],
+                         opset, source, verbose, int4_block_size)
+    _write_variants(out, variants, parity, prompts, parity_steps, threads)
+    if variants:
+        man["variants"] = {k: {"path": k, "agreement_vs_fp32": v.get("agreement_vs_fp32")}
+                           for k, v in variants.items()}
+        write_manifest(out, man)
+    if parity and not man["parity"]["passed"]:
+        raise RuntimeError(f"ONNX parity check failed: {man['parity']}")
+    man["variant_manifests"] = variants
+    return man

@@ -1,0 +1,51 @@
+"""``specrelay_onnx.json``: what an export folder holds (geometry, dtypes, I/O names,
+exporter versions, checks), read by :class:`edge_sdk.drafters.onnx.OnnxRunner`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from edge_sdk.drafters.onnx import MANIFEST_NAME, MODEL_NAME
+from exporters.onnx.graph import io_names, kv_geometry
+
+
+def _versions() -> dict:
+    import onnx
+    import onnxruntime
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+def manifest_for(model, *, dtype: str, kv_dtype: str, opset: int, source: str | None,
+                 external: bool) -> dict:
+    """The manifest of ``model`` exported with weights in ``dtype`` (``float32``,
+    ``float16``, ``int4``, ``int8``) and KV cache / logits in ``kv_dtype``; ``external``:
+    the weights are in ``model.onnx.data``; ``source``: the model spec, free text."""
+    ins, outs = io_names(kv_geometry(model.config)["num_layers"])
+    return {
+        "format": "specrelay-onnx", "version": 1, "model_file": MODEL_NAME,
+        "external_data": (MODEL_NAME + ".data") if external else None,
+        "source": source, "architecture": (model.config.architectures or [None])[0]
+        or type(model).__name__, "model_type": model.config.model_type,
+        **kv_geometry(model.config), "dtype": dtype, "kv_dtype": kv_dtype, "opset": opset,
+        "inputs": ins, "outputs": outs,
+        "dynamic_axes": {"batch_size": "dim 0 of every input/output",
+                         "sequence_length": "new tokens per call",
+                         "past_sequence_length": "cached tokens (0 allowed)"},
+        "exporter": {"method": "torch.onnx.export(dynamo=True)", **_versions()},
+    }
+
+
+def write_manifest(folder: str | os.PathLike, manifest: dict) -> Path:
+    """Write ``specrelay_onnx.json`` into ``folder``."""
+    p = Path(folder) / MANIFEST_NAME
+    p.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return p
+
+

@@ -1,0 +1,154 @@
+"""Weight-only quantisation of an ONNX export: every constant-weight MatMul becomes an
+onnxruntime ``MatMulNBits`` (4 or 8 bits, round-to-nearest per block of weights, one
+scale per block; GPTQ-free RTN as in onnxruntime's MatMulNBits quantiser). Activations,
+KV cache and logits stay float32."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from exporters.onnx.graph import EXTERNAL_DATA_BYTES, quiet
+
+
+def _materialize_transposed_weights(m) -> int:
+    """Replace ``MatMul(x, Transpose(W))`` with ``MatMul(x, W_T)`` for initializers ``W``
+    (a tied LM head reads the embedding that way) so the quantizer sees a constant
+    weight. Returns how many MatMuls were rewired."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in m.graph.initializer}
+    producer = {o: n for n in m.graph.node for o in n.output}
+    done = 0
+    for node in m.graph.node:
+        if node.op_type != "MatMul" or node.input[1] in inits:
+            continue
+        tr = producer.get(node.input[1])
+        if tr is None or tr.op_type != "Transpose" or tr.input[0] not in inits:
+            continue
+        perm = [list(a.ints) for a in tr.attribute if a.name == "perm"]
+        w = numpy_helper.to_array(inits[tr.input[0]])
+        if w.ndim != 2 or (perm and perm[0] != [1, 0]):
+            continue
+        name = tr.input[0] + ".T"
+        if name not in inits:
+            t = numpy_helper.from_array(np.ascontiguousarray(w.T), name)
+            m.graph.initializer.append(t)
+            inits[name] = t
+        node.input[1] = name
+        done += 1
+    return done
+
+
+def _lm_head_matmul(m) -> str | None:
+    """Name of the MatMul that produces the ``logits`` output from a constant weight
+    (None when the head is not such a MatMul, e.g. a masked draft head)."""
+    inits = {i.name for i in m.graph.initializer}
+    for node in m.graph.node:
+        if "logits" in node.output and node.op_type == "MatMul" and node.input[1] in inits:
+            return node.name
+    return None
+
+
+def _nbits(m, *, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
+           exclude: list[str]):
+    """One MatMulNBits pass over ModelProto ``m`` (the ``exclude`` nodes kept); returns
+    the quantised ModelProto."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    q = MatMulNBitsQuantizer(m, bits=bits, block_size=block_size, is_symmetric=symmetric,
+                             accuracy_level=accuracy_level, nodes_to_exclude=exclude)
+    with quiet(False):
+        q.process()
+    return q.model.model
+
+
+def _save(out, dst: str | os.PathLike) -> None:
+    """Write ModelProto ``out`` to ``dst`` (external data beside it above 1 GiB)."""
+    import onnx
+
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    big = out.ByteSize() > EXTERNAL_DATA_BYTES
+    onnx.save_model(out, str(dst), save_as_external_data=big,
+                    location=dst.name + ".data" if big else None)
+
+
+def _counts(out) -> dict:
+    """How many MatMuls the quantised ModelProto ``out`` converted (``int8_matmuls`` of
+    them at 8 bits) and how many float MatMuls are left."""
+    nodes = list(out.graph.node)
+    nbits = [next((a.i for a in n.attribute if a.name == "bits"), 4) for n in nodes
+             if n.op_type == "MatMulNBits"]
+    return {"quantized_matmuls": len(nbits), "int8_matmuls": nbits.count(8),
+            "float_matmuls_left": sum(n.op_type == "MatMul" for n in nodes)}
+
+
+def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: int = 4,
+                     block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4,
+                     lm_head: bool = True, lm_head_bits: int | None = None) -> dict:
+    """Weight-only quantisation of every constant-weight MatMul to ``bits`` (4 or 8;
+    onnxruntime ``MatMulNBits``, round-to-nearest per block). Activations, KV cache and
+    logits stay float32; the embedding Gather keeps float32.
+
+    Args:
+        src / dst: ``.onnx`` files. bits: 4 or 8.
+        block_size: weights per scale (power of 2, >= 16).
+        symmetric: symmetric blocks (no zero points); False stores a zero point per
+            block.
+        accuracy_level: MatMulNBits compute type on CPU (4 = int8 activations, fastest;
+            0/1 = float32).
+        lm_head: also quantise the LM head (a tied head reads the embedding through a
+            Transpose; a transposed copy is quantised).
+        lm_head_bits: bits for the LM head (4 or 8; None = ``bits``). The head decides
+            the argmax directly; 8 bits cost more memory traffic per token.
+    Returns:
+        the quantisation settings and how many MatMuls were converted
+        (``quantized_matmuls``; ``int8_matmuls`` of them at 8 bits).
+    """
+    import onnx
+    # imported before its logger's level is set (the module may configure it on import)
+    from onnxruntime.quantization.matmul_nbits_quantizer import (  # noqa: F401
+        MatMulNBitsQuantizer)
+
+    lm_head_bits = bits if lm_head_bits is None else lm_head_bits
+    if bits not in (4, 8) or lm_head_bits not in (4, 8):
+        raise ValueError(f"bits / lm_head_bits must be 4 or 8, not {bits} / {lm_head_bits}")
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(
+        logging.WARNING)
+    m = onnx.load(str(src))
+    if lm_head:
+        _materialize_transposed_weights(m)
+    head = _lm_head_matmul(m)
+    exclude = [head] if head and (not lm_head or lm_head_bits != bits) else []
+    opts = {"block_size": block_size, "symmetric": symmetric,
+            "accuracy_level": accuracy_level}
+    out = _nbits(m, bits=bits, exclude=exclude, **opts)
+    if head and lm_head and lm_head_bits != bits:
+        others = [n.name for n in out.graph.node if n.op_type == "MatMul" and n.name != head]
+        out = _nbits(out, bits=lm_head_bits, exclude=others, **opts)
+    _save(out, dst)
+    return {"method": "MatMulNBits", "bits": bits, **opts, "lm_head": lm_head,
+            "lm_head_bits": lm_head_bits if lm_head and head else None, **_counts(out)}
+
+
+def quantize_int4(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
+                  symmetric: bool = True, accuracy_level: int = 4, lm_head: bool = True,
+                  lm_head_bits: int = 4) -> dict:
+    """:func:`quantize_weights` at 4 bits (``lm_head_bits=8`` keeps the head at 8)."""
+    return quantize_weights(src, dst, bits=4, block_size=block_size, symmetric=symmetric,
+                            accuracy_level=accuracy_level, lm_head=lm_head,
+                            lm_head_bits=lm_head_bits)
+
+
+def quantize_int8(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
+                  symmetric: bool = True, accuracy_level: int = 4,
+                  lm_head: bool = True) -> dict:
+    """:func:`quantize_weights` at 8 bits (MatMulNBits, int8 weights per block)."""
+    return quantize_weights(src, dst, bits=8, block_size=block_size, symmetric=symmetric,
+                            accuracy_level=accuracy_level, lm_head=lm_head)
+
+
