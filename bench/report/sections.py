@@ -30,20 +30,26 @@ _ADAPTIVE = ("caac", "rapid", "rapid-npdg", "ipdg", "npdg", "stop-and-wait", "sr
 def adaptive_md(results: dict) -> str:
     """Markdown for summary.md: the adaptive modes' depth, waste and proactive timing,
     and the best fixed depth per cell."""
-    runs = [r for r in results["runs"] if r["mode"] in _ADAPTIVE]
+    bf = results.get("config", {}).get("best_fixed") or {}
+    return _section(
+        [r for r in results["runs"] if r["mode"] in _ADAPTIVE], _ADAPTIVE_COLS,
+        "Adaptive drafting (depth control, proactive drafting)",
+        "profile `X+slow` = link X with the edge slowdown of the run config "
+        "(`edge_slowdown` from `slowdown_at_s` into each run). ready−resp = median "
+        "of (proactive draft ready − verdict arrived), ms; < 0: ready first.",
+        "Best fixed depth per cell (chosen after the fact): " + ", ".join(
+            f"{k} → {v['mode']} ({v['value']:.2f} tok/s)" for k, v in bf.items())
+        if bf else None)
+
+
+def _section(runs: list, cols: list, title: str, note: str, footer: str | None) -> str:
+    """One family's section: heading, note, the runs table and an optional footer
+    line; empty without runs."""
     if not runs:
         return ""
-
-    lines = ["", "## Adaptive drafting (depth control, proactive drafting)", "",
-             "profile `X+slow` = link X with the edge slowdown of the run config "
-             "(`edge_slowdown` from `slowdown_at_s` into each run). ready−resp = median "
-             "of (proactive draft ready − verdict arrived), ms; < 0: ready first.", ""]
-    lines += runs_table(runs, _ADAPTIVE_COLS)
-    bf = results.get("config", {}).get("best_fixed") or {}
-    if bf:
-        lines += ["", "Best fixed depth per cell (chosen after the fact): "
-                  + ", ".join(f"{k} → {v['mode']} ({v['value']:.2f} tok/s)"
-                              for k, v in bf.items()), ""]
+    lines = ["", f"## {title}", "", note, ""] + runs_table(runs, cols)
+    if footer:
+        lines += ["", footer, ""]
     return "\n".join(lines) + "\n"
 
 
@@ -64,21 +70,16 @@ _CONCURRENT_COLS = [
 
 def concurrent_md(results: dict) -> str:
     """Markdown for summary.md: the concurrent runs' utilisation and pass counts."""
-    runs = [r for r in results["runs"] if split_point(r["profile"])[1] is not None]
-    if not runs:
-        return ""
-
-    lines = ["", "## Concurrent runs (confirmed-prefix pipeline and baselines)", "",
-             "profile = network profile @ c<concurrency>; throughput over the makespan; "
-             "passes/tok from the server's counter (a batched pass counts once); edge util "
-             "= draft-worker busy s / makespan; cloud util = target s / makespan; edge/cloud "
-             "CPU = CPU s of the whole edge/cloud process / makespan.", ""]
-    lines += runs_table(runs, _CONCURRENT_COLS)
     sb = results.get("config", {}).get("strongest_baseline") or {}
-    if sb:
-        lines += ["", "Strongest baseline per operating point: "
-                  + ", ".join(f"{k} → {v}" for k, v in sb.items()), ""]
-    return "\n".join(lines) + "\n"
+    return _section(
+        [r for r in results["runs"] if split_point(r["profile"])[1] is not None],
+        _CONCURRENT_COLS, "Concurrent runs (confirmed-prefix pipeline and baselines)",
+        "profile = network profile @ c<concurrency>; throughput over the makespan; "
+        "passes/tok from the server's counter (a batched pass counts once); edge util "
+        "= draft-worker busy s / makespan; cloud util = target s / makespan; edge/cloud "
+        "CPU = CPU s of the whole edge/cloud process / makespan.",
+        "Strongest baseline per operating point: "
+        + ", ".join(f"{k} → {v}" for k, v in sb.items()) if sb else None)
 
 
 # --------------------------------------------------------------------------- peers
