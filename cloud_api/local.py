@@ -16,12 +16,14 @@ from typing import Iterator
 @dataclass(frozen=True)
 class LocalServer:
     """A running in-process API: ``url`` (``http://127.0.0.1:<port>``), the ``signer``
-    for its ephemeral key, the raw ``api_key`` (``sr_live_...``) and the ``app``."""
+    for its ephemeral key, the raw ``api_key`` (``sr_live_...``), the ``app`` and the
+    :class:`~cloud_api.server.BackgroundServer` (``server.loop`` is its event loop)."""
 
     url: str
     signer: object
     api_key: str
     app: object
+    server: object = None
 
 
 def ephemeral_key_store(name: str = "local-ephemeral", *, rpm: int = 100_000,
@@ -54,4 +56,4 @@ def local_server(target, tokenizer, *, name: str = "local-ephemeral", rpm: int =
     store, raw_key = ephemeral_key_store(name, rpm=rpm, tpm=tpm)
     app = create_app(target, tokenizer, key_store=store, **app_kw)
     with BackgroundServer(app) as srv:
-        yield LocalServer(srv.url, Signer.from_api_key(raw_key), raw_key, app)
+        yield LocalServer(srv.url, Signer.from_api_key(raw_key), raw_key, app, srv)
