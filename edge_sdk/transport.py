@@ -14,8 +14,10 @@ from edge_sdk.retry import RETRYABLE_STATUSES, backoff_delay
 
 MSGPACK = "application/x-msgpack"
 #: What "the cloud cannot be reached" looks like once :meth:`Transport.request` has
-#: used its retries: refused or reset connections and timeouts.
-UNREACHABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError)
+#: used its retries: refused or reset connections, timeouts, and an answer cut off
+#: mid-body (``ClientPayloadError``: the connection broke while the body was read).
+UNREACHABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+               asyncio.TimeoutError, ConnectionError)
 
 
 class RemoteError(Exception):
@@ -40,8 +42,9 @@ class Transport:
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
         signer: object with ``headers(method, path, body) -> dict`` (request signing) or None.
-        retries: attempts after the first for connection errors, 429 and 502-504
-            (verify is idempotent: the cloud answers a repeated block from its cache).
+        retries: attempts after the first for connection errors (a response cut off
+            mid-body included), 429 and 502-504 (verify is idempotent: the cloud answers
+            a repeated block from its cache).
         timeout_s: per-request timeout in seconds.
         ssl_context: TLS context for ``https://`` (e.g. trusting a private CA); None
             uses the system trust store.
@@ -77,8 +80,9 @@ class Transport:
         Raises:
             RemoteError: a 4xx/5xx answer (after retries for 429, 502-504).
             TLSVerifyError: the server's certificate is not trusted (not retried).
-            aiohttp.ClientConnectionError, asyncio.TimeoutError: unreachable after
-                ``retries`` attempts.
+            aiohttp.ClientConnectionError, aiohttp.ClientPayloadError (an answer cut
+                off mid-body), asyncio.TimeoutError: unreachable after ``retries``
+                attempts (:data:`UNREACHABLE`).
         """
         http = await self._http()
         for attempt in range(self.retries + 1):
@@ -105,7 +109,7 @@ class Transport:
                 raise TLSVerifyError(
                     f"TLS handshake with {self.base_url} failed ({_reason(e)}): trust the "
                     "server's CA certificate (CLI --ca-cert, SDK ssl_context=)") from None
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+            except UNREACHABLE:
                 if attempt >= self.retries:
                     raise
                 await asyncio.sleep(self._delay(attempt, None))
