@@ -107,6 +107,15 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--no-warmup", is_flag=True, help="Skip the unmeasured warm-up requests.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
+@click.option("--chaos", is_flag=True, help="Run the link-fault matrix instead: drops, "
+              "duplicates, reorders, delays past the client's timeout, resets mid-body and "
+              "partitions (2 s, 30 s) of single HTTP requests x greedy/seeded sampling x "
+              "stop-and-wait/IPDG+ahead/pipeline of 8, each run compared with the "
+              "fault-free one. Writes OUT/chaos.json and OUT/chaos.md; exits 1 when a "
+              "token is lost or duplicated or an undocumented exception is raised. "
+              "Default pair: smollm2-135m, float32, depth 4. With --quick: <= 5 min, 1 "
+              "prompt, 24 tokens, the 30 s partition replaced by 5 s. Takes --target, "
+              "--draft, --dtype, --prompts, --max-new-tokens, --depth, --sampling, --seed.")
 def bench(**o):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
@@ -117,6 +126,9 @@ def bench(**o):
     """
     if o["list_modes"]:
         _list_modes()
+        return
+    if o["chaos"]:
+        _chaos(o)
         return
     from bench.console import print_summary
     from bench.harness import run_bench
@@ -129,6 +141,34 @@ def bench(**o):
     except (ValueError, ImportError) as e:      # ImportError: a peer engine not installed
         raise click.UsageError(str(e)) from None
     print_summary(results, o["out_dir"], time.perf_counter() - t0)
+
+
+_CHAOS_IGNORES = ("modes", "profiles", "workloads", "concurrency", "concurrent_depth")
+_CHAOS_DEFAULTS = {"target": "smollm2-135m", "dtype": "float32", "depth": 4}
+
+
+def _chaos(o: dict) -> None:
+    """``--chaos``: the link-fault matrix (:mod:`bench.chaos`). Raises click.UsageError
+    for options that do not apply, click.ClickException (exit 1) when it fails."""
+    from click.core import ParameterSource
+
+    from bench.chaos.run import ChaosFailed, run_chaos
+
+    given = [k for k in _CHAOS_IGNORES if o[k] is not None]
+    if given:
+        raise click.UsageError(f"--{given[0].replace('_', '-')} does not apply to --chaos")
+    ctx = click.get_current_context()
+    kw = {k: (v if ctx.get_parameter_source(k) == ParameterSource.DEFAULT else o[k])
+          for k, v in _CHAOS_DEFAULTS.items()}
+    try:
+        run_chaos(o["out_dir"], quick=o["quick"], draft=o["draft"], prompts=o["prompts"],
+                  max_new_tokens=o["max_new_tokens"], seed=o["seed"],
+                  sampling=_csv(o["sampling"]) or ["greedy", "sample"],
+                  log=lambda m: click.echo(m, err=True), **kw)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    except ChaosFailed as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _list_modes() -> None:

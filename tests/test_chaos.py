@@ -1,0 +1,181 @@
+"""The link-fault matrix (``bench.chaos``) on the suite's tiny random pair: single HTTP
+requests dropped, duplicated, reordered, delayed past the client's timeout, cut
+mid-body, and partitions; greedy and seeded sampling, stop-and-wait and IPDG with
+blocks sent ahead (and a pipeline of 8). Every faulted run must equal the fault-free
+run, lose and duplicate nothing, and cost no extra target pass (a replayed block is
+answered from the server's replay cache). The server is the signed in-process API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from bench.chaos.faults import Fault, FaultPlan
+from bench.chaos.matrix import ChaosSettings, Server, _client, _one, _Job, references, run_fault
+from bench.chaos.proxy import FaultProxy
+from bench.chaos.score import ROW_KEYS, Row, RunOutcome, score_tokens
+from cloud_api.context import SERVICE
+from cloud_api.local import local_server
+from edge_sdk.drafters.torch import TorchDrafter
+from edge_sdk.protocol.sampling import SamplingConfig
+
+TIMEOUT_S = 1.0
+PROMPTS = [[4, 5, 6], [9, 3, 7, 2], [11, 12], [20, 21, 22], [30, 2], [5, 5, 5], [40], [7, 8]]
+
+
+def _settings(**kw) -> ChaosSettings:
+    base = dict(prompts=PROMPTS[:1], pipeline_prompts=PROMPTS,
+                samplings={"greedy": SamplingConfig(),
+                           "sampled": SamplingConfig(temperature=0.8)},
+                max_new_tokens=24, depth=3, seed=7, timeout_s=TIMEOUT_S, retries=2,
+                offline_timeout_s=20.0, modes=("stop-and-wait", "ipdg+ahead"))
+    return ChaosSettings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def srv(target, tok):
+    with local_server(target, tok, max_batch=8) as ls:
+        svc = ls.app[SERVICE]
+        svc.eos = []                     # every request runs to its length cap
+        yield Server(ls.url, ls.signer, lambda: svc.verifier.passes)
+
+
+@pytest.fixture(scope="module")
+def drafter(draft):
+    return TorchDrafter(draft)
+
+
+@pytest.fixture(scope="module")
+def refs(srv, drafter, tok):
+    return references(srv, drafter, tok, _settings(modes=("stop-and-wait", "ipdg+ahead",
+                                                          "pipeline-8")))
+
+
+def _clean(row: Row) -> None:
+    assert row.undocumented == []
+    assert (row.identical, row.lost, row.duplicated, row.errors) == (row.runs, 0, 0, 0), row
+    assert row.extra_passes == 0                     # replayed blocks: no second pass
+    assert row.injected >= 1
+
+
+@pytest.mark.parametrize("kind", ["drop-request", "drop-response", "duplicate", "reorder",
+                                  "delay-request", "delay-response", "reset-request",
+                                  "reset-response"])
+def test_verify_fault_leaves_the_output_identical(srv, drafter, tok, refs, kind):
+    late = kind.startswith("delay")                  # one delay per run: each costs 1.5 s
+    f = Fault(kind, kind, at=(2,) if late else (2, 4), seconds=TIMEOUT_S + 0.5 if late else 0)
+    row = run_fault(srv, drafter, tok, _settings(), f, refs)
+    assert row.runs == 4                             # 2 samplings x 2 modes x 1 prompt
+    _clean(row)
+
+
+@pytest.mark.parametrize("kind", ["drop-response", "duplicate"])
+def test_create_fault_leaves_the_output_identical(srv, drafter, tok, refs, kind):
+    row = run_fault(srv, drafter, tok, _settings(), Fault(kind, kind, "create", (1,)), refs)
+    _clean(row)
+
+
+def test_pipeline_of_8_rides_out_a_dropped_response(srv, drafter, tok, refs):
+    s = _settings(modes=("pipeline-8",), samplings={"sampled": SamplingConfig(temperature=0.8)})
+    row = run_fault(srv, drafter, tok, s, Fault("drop-response", "drop-response", at=(3, 9)),
+                    refs)
+    assert row.runs == 8
+    assert (row.identical, row.lost, row.duplicated, row.undocumented) == (8, 0, 0, [])
+
+
+def test_short_partition_is_ridden_out(srv, drafter, tok, refs):
+    s = _settings(modes=("ipdg+ahead",), samplings={"greedy": SamplingConfig()})
+    row = run_fault(srv, drafter, tok, s, Fault("p", "partition", at=(2,), seconds=1.5), refs)
+    _clean(row)
+
+
+def test_partition_past_the_offline_timeout_fails_with_cloud_unreachable(srv, drafter,
+                                                                          tok, refs):
+    s = _settings(modes=("stop-and-wait",), samplings={"greedy": SamplingConfig()},
+                  retries=0, timeout_s=0.3)
+    f = Fault("p", "partition", at=(2,), seconds=30.0, expect_error=True,
+              offline_timeout_s=0.5)
+    row = run_fault(srv, drafter, tok, s, f, refs)
+    assert (row.runs, row.errors, row.lost, row.duplicated, row.undocumented) == (1, 1, 0, 0,
+                                                                                  [])
+
+
+def _through_proxy(srv, drafter, tok, fault, mode):
+    """One greedy request through a proxy with ``fault``; (token ids, error, stats)."""
+    s = _settings()
+
+    async def main():
+        async with FaultProxy(srv.url, fault) as p:
+            async with _client(p.url, srv, drafter, tok, s, mode) as c:
+                toks, err = await _one(c, _Job(PROMPTS[0], 7), SamplingConfig(), 24)
+        return toks, err, p.stats
+
+    return asyncio.run(main())
+
+
+def test_reorder_lets_the_block_sent_ahead_overtake(srv, drafter, tok, refs):
+    toks, err, stats = _through_proxy(srv, drafter, tok, Fault("r", "reorder", at=(2, 4, 6)),
+                                      "ipdg+ahead")
+    assert err is None and toks == refs["greedy", "ipdg+ahead"][0][0]
+    assert stats.fired == 3 and stats.reordered >= 1     # a later block went first
+
+
+def test_a_duplicate_of_a_signed_request_is_refused_as_a_replay(srv, drafter, tok, refs):
+    toks, err, stats = _through_proxy(srv, drafter, tok, Fault("d", "duplicate", at=(2,)),
+                                      "stop-and-wait")
+    assert err is None and toks == refs["greedy", "stop-and-wait"][0][0]
+    assert stats.duplicate_statuses == [401]
+
+
+def test_plan_counts_matching_requests_only():
+    plan = FaultPlan(Fault("x", "drop-request", at=(2,)))
+    assert plan.pick("POST", "/v1/sessions") is None                 # create: not a target
+    assert plan.pick("POST", "/v1/sessions/1/verify") is None        # 1st verify
+    assert plan.pick("DELETE", "/v1/sessions/1") is None
+    assert plan.pick("POST", "/v1/sessions/1/verify").kind == "drop-request"
+    assert plan.pick("POST", "/v1/sessions/1/verify") is None and plan.fired == 1
+
+
+def test_scores():
+    ref = [1, 2, 3, 4, 5, 6]
+    assert score_tokens(ref, ref) == (0, 0)
+    assert score_tokens(ref, [1, 2, 3]) == (3, 0)                    # cut short, no error
+    assert score_tokens(ref, [1, 2, 3], failed=True) == (0, 0)       # documented failure
+    assert score_tokens(ref, [1, 2, 3, 4, 3, 4, 5, 6]) == (0, 2)     # a repeated block
+    assert score_tokens(ref, [1, 2, 5, 6]) == (2, 0)                 # a lost block
+    assert score_tokens(ref, ref + [7]) == (0, 1)
+    row = Row("f")
+    row.add(RunOutcome([1, 2], RuntimeError("boom"), [1, 2]))
+    assert row.undocumented == ["RuntimeError: boom"] and row.identical == row.errors == 0
+    assert list(row.as_dict()) == list(ROW_KEYS)
+
+
+def test_cli_writes_the_table_and_chaos_json(monkeypatch, tmp_path, target, draft, tok):
+    """``specrelay bench --chaos --quick`` end to end on the tiny pair (two rows)."""
+    import bench.chaos.run as R
+    from bench.cli import bench
+
+    monkeypatch.setattr(R, "_load", lambda t, d, dt, log: (target, tok, TorchDrafter(draft),
+                                                           "tiny-draft", "float32"))
+    monkeypatch.setattr(R, "_prompts", lambda tok, n, seed: PROMPTS[:n])
+    monkeypatch.setattr(R, "fault_matrix", lambda timeout_s, quick, at: [
+        Fault("none", "none"), Fault("drop-response", "drop-response", at=at)])
+    res = CliRunner().invoke(bench, ["--chaos", "--quick", "--out", str(tmp_path),
+                                     "--max-new-tokens", "12", "--sampling", "greedy"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "chaos.json").read_text())
+    assert [list(r) for r in rows] == [list(ROW_KEYS)] * 2
+    assert [r["fault"] for r in rows] == ["none", "drop-response"]
+    assert all(r["runs"] == 10 and r["identical"] == 10 for r in rows)   # 1 + 1 + 8
+    assert "| drop-response | 10 | 10 | 0 | 0 | 0 |" in (tmp_path / "chaos.md").read_text()
+    assert "drop-response" in res.output
+
+
+def test_cli_refuses_options_that_do_not_apply():
+    from bench.cli import bench
+
+    res = CliRunner().invoke(bench, ["--chaos", "--modes", "specrelay"])
+    assert res.exit_code == 2 and "does not apply to --chaos" in res.output
