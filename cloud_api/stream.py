@@ -100,7 +100,7 @@ async def _read_options(request: web.Request) -> dict:
         raise ApiError(400, "bad_request", "body must be a map", "body")
     unknown = set(m) - {"max_new_tokens"}
     if unknown:
-        raise ApiError(422, "bad_field", "unknown field", sorted(unknown)[0])
+        raise ApiError(422, "bad_field", "unknown field", sorted(map(str, unknown))[0])
     return m
 
 

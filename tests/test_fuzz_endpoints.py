@@ -128,3 +128,33 @@ def test_fuzz_session_endpoints(live, endpoint):
             continue
         assert snapshot(s) == before, "a rejected body changed the session"
     assert accepted < N // 10
+
+
+def test_fuzz_generate_options(live):
+    """The streaming endpoint's options: generated maps (str and bin keys mixed, any
+    values) and other bodies are answered < 500 with a JSON error; valid ones stream."""
+    import msgpack
+
+    url, http, svc = live
+
+    def new():                  # a 2-token cap keeps a valid-by-chance stream short
+        r = http.post(url + "/v1/sessions", headers=MSGPACK,
+                      data=wire.pack({"prompt_ids": [5, 6, 7], "max_new_tokens": 2}))
+        assert r.status_code == 201
+        return int(wire.unpack(r.content)["session_id"])
+
+    sid = new()
+    mixed = msgpack.packb({"a": 1, b"b": 2}, use_bin_type=True)    # str + bin keys
+    r = http.post(f"{url}/v1/sessions/{sid}/generate", data=mixed, headers=MSGPACK)
+    assert r.status_code == 422 and json.loads(r.content)["error"]["code"] == "bad_field"
+    rng = random.Random(4)
+    for _ in range(N // 5):
+        g = Gen(rng.getrandbits(64))
+        key = g.leaf() if rng.random() < 0.3 else "max_new_tokens"
+        body = _packable({key: g.any()} if rng.random() < 0.7 else g.any())
+        r = http.post(f"{url}/v1/sessions/{sid}/generate", data=body, headers=MSGPACK)
+        if r.status_code == 200:                             # valid by chance
+            http.delete(f"{url}/v1/sessions/{sid}")
+            sid = new()
+            continue
+        _check(r)
