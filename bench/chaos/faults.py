@@ -35,7 +35,9 @@ kind                   direction  what the proxy does with the hit request
 ``partition``          both       from the hit request on, for ``seconds``: every
                                   request and every answer is black-holed (held
                                   without an answer, then the connection is reset),
-                                  new connections included
+                                  new connections included; with ``refuse``, every
+                                  request is reset at once instead (a link that
+                                  answers with resets, e.g. a rebooting NAT)
 =====================  =========  ==================================================
 """
 
@@ -77,6 +79,7 @@ class Fault:
             of every run hit (a partition longer than the client waits).
         offline_timeout_s: the client's ``offline_timeout_s`` for this row (None: the
             matrix default).
+        refuse: ``partition``: reset every request at once instead of holding it.
         note: shown under the table (e.g. what ``--quick`` replaced).
     """
 
@@ -87,6 +90,7 @@ class Fault:
     seconds: float = 0.0
     expect_error: bool = False
     offline_timeout_s: float | None = None
+    refuse: bool = False
     note: str = ""
 
     def __post_init__(self):
@@ -121,8 +125,8 @@ class FaultPlan:
 def fault_matrix(timeout_s: float, quick: bool, at: tuple = (2,)) -> list[Fault]:
     """The rows of ``specrelay bench --chaos``: every kind on verify requests, the drop
     and duplicate kinds on session creation, a 2 s and a 30 s partition (``quick``: 5 s,
-    noted) and a 30 s partition that outlasts the client's patience (1 s offline
-    timeout: every run hit must fail with ``CloudUnreachable``). Delays are
+    noted) and a 30 s partition that outlasts the client's patience (refused
+    connections, 1 s offline timeout: every run hit must fail with ``CloudUnreachable``). Delays are
     ``timeout_s + 0.5`` seconds (past the client's per-request timeout)."""
     late = timeout_s + 0.5
     long_s = 5.0 if quick else 30.0
@@ -144,6 +148,7 @@ def fault_matrix(timeout_s: float, quick: bool, at: tuple = (2,)) -> list[Fault]
         Fault(f"partition-{long_s:.0f}s", "partition", at=at[:1], seconds=long_s,
               note="--quick: a 5 s partition instead of 30 s" if quick else ""),
         Fault("partition-30s > offline timeout", "partition", at=at[:1], seconds=30.0,
-              expect_error=True, offline_timeout_s=1.0,
-              note="offline_timeout_s 1 s: every run must fail with CloudUnreachable"),
+              expect_error=True, offline_timeout_s=1.0, refuse=True,
+              note="connections reset, offline_timeout_s 1 s: every run must fail with "
+              "CloudUnreachable"),
     ]

@@ -53,7 +53,7 @@ class ChaosSettings:
     max_new_tokens: int = 24
     depth: int = 4
     seed: int = 0
-    timeout_s: float = 2.0
+    timeout_s: float = 3.0
     retries: int = 2
     offline_timeout_s: float = 60.0
     modes: Sequence[str] = tuple(CLIENT_MODES)

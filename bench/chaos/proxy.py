@@ -227,9 +227,11 @@ class FaultProxy:
         return time.monotonic() < self._partition_end
 
     async def _blackhole(self) -> bool:
-        """Hold the connection until the partition ends; then reset it (False)."""
+        """Hold the connection until the partition ends (not with ``refuse``); then
+        reset it (False)."""
         self.stats.blackholed += 1
-        await asyncio.sleep(max(0.0, self._partition_end - time.monotonic()))
+        if not self.plan.fault.refuse:
+            await asyncio.sleep(max(0.0, self._partition_end - time.monotonic()))
         return False
 
     async def _serve(self, req: HttpRequest, writer) -> bool:
