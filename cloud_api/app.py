@@ -31,8 +31,8 @@ def _json_error(e: ApiError) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """ApiError/WireError -> 4xx JSON; aiohttp's own 4xx -> JSON; nothing leaks a 500
-    for bad input."""
+    """ApiError/WireError -> 4xx JSON; aiohttp's own 4xx -> JSON; a body cut off by a
+    connection reset -> 400 ``incomplete_body``; nothing leaks a 500 for bad input."""
     try:
         return await handler(request)
     except ApiError as e:
@@ -41,6 +41,13 @@ async def error_middleware(request: web.Request, handler):
         return _json_error(ApiError(400, "bad_request", e.message, e.field))
     except web.HTTPRequestEntityTooLarge:
         return _json_error(ApiError(413, "body_too_large", "request body too large", "body"))
+    except ConnectionResetError:
+        if request.content.is_eof():
+            raise                  # the body had arrived: not a request cut mid-body
+        # the client reset the connection mid-body: a 4xx for the logs and metrics,
+        # not aiohttp's 500 with a traceback (nobody reads the answer)
+        return _json_error(ApiError(400, "incomplete_body", "the connection was reset "
+                                    "before the request body arrived", "body"))
     except web.HTTPException as e:
         if e.status >= 400:
             return _json_error(ApiError(e.status, e.reason.lower().replace(" ", "_"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -49,6 +50,7 @@ class CloudService:
         self.threads = threads
         self.metrics = metrics
         self._locks: dict[int, asyncio.Lock] = {}
+        self._creates: OrderedDict = OrderedDict()   # (owner, request_id) -> (digest, fut)
 
     async def start(self, app=None) -> None:
         if self.threads:
@@ -63,9 +65,51 @@ class CloudService:
     def lock(self, sid: int) -> asyncio.Lock:
         return self._locks.setdefault(sid, asyncio.Lock())
 
+    CREATES_REMEMBERED = 4096   # request ids of recent creates, for retried creates
+
     async def create(self, body: dict, owner: str | None) -> dict:
+        """Create a session. A create carrying the ``request_id`` of an earlier one of
+        the same key (a retry: the answer was lost or late) gets that session's answer,
+        awaiting it while it is still being made, instead of a second session; the same
+        id with a different body is refused (409 ``request_id_reused``). Raises
+        ApiError / WireError."""
+        m = wire.decode_session_request(body, self.verifier.vocab_size,
+                                        self.verifier.max_context)
+        if m["request_id"] is None:
+            return await self._create(m, owner)
+        key, digest = (owner, m["request_id"]), hashlib.sha256(repr(body).encode()).digest()
+        seen = self._creates.get(key)
+        if seen is not None:
+            if seen[0] != digest:
+                raise ApiError(409, "request_id_reused", "request_id already used for "
+                               "another session", "request_id")
+            return await asyncio.shield(seen[1])
+        fut = asyncio.get_running_loop().create_future()
+        self._creates[key] = (digest, fut)
+        while len(self._creates) > self.CREATES_REMEMBERED:
+            self._creates.popitem(last=False)
+        try:
+            out = await self._create(m, owner)
+        except BaseException as e:
+            self._forget_failed(key, fut, e)
+            raise
+        fut.set_result(out)
+        return out
+
+    def _forget_failed(self, key, fut: asyncio.Future, err: BaseException) -> None:
+        """A create that failed is not remembered (its retry runs again); a retry
+        waiting for it gets the same error."""
+        if key in self._creates and self._creates[key][1] is fut:
+            del self._creates[key]
+        if isinstance(err, Exception):
+            fut.set_exception(err)
+            fut.exception()                  # retrieved: no warning without a waiter
+        else:
+            fut.cancel()
+
+    async def _create(self, m: dict, owner: str | None) -> dict:
+        """Create a session from a decoded create request ``m``."""
         V = self.verifier.vocab_size
-        m = wire.decode_session_request(body, V, self.verifier.max_context)
         if m["vocab_size"] is not None and m["vocab_size"] != V:
             raise ApiError(422, "vocab_mismatch", f"draft vocabulary {m['vocab_size']} does "
                            f"not match the target's {V}: draft and target must share a "

@@ -12,6 +12,7 @@ re-created from the confirmed prefix and the block resent.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -87,9 +88,19 @@ class RemoteSession:
 
     async def create(self, prompt_ids: list[int], max_new: int) -> dict:
         """Create (or re-create) the session on the confirmed prefix ``prompt_ids``;
-        returns the cloud's answer (``eos_token_ids``, ``max_block``, ...)."""
+        returns the cloud's answer (``eos_token_ids``, ``max_block``, ...). The body
+        carries a fresh ``request_id``: the transport's retries resend the same bytes,
+        so a create whose answer was lost gets the same session, not a second one (a
+        server that does not know the field is asked again without it)."""
         body = self.params.body(prompt_ids, max_new)
-        info = wire.unpack(await self.call("POST", "/v1/sessions", wire.pack(body)))
+        try:
+            data = await self.call("POST", "/v1/sessions", wire.pack(
+                {**body, "request_id": secrets.token_urlsafe(12)}))
+        except RemoteError as e:
+            if e.status not in (400, 422) or e.field != "request_id":
+                raise
+            data = await self.call("POST", "/v1/sessions", wire.pack(body))
+        info = wire.unpack(data)
         self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
         self.max_block = int(info.get("max_block", self.max_block))
         self.seq, self.pending = 0, None

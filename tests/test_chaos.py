@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 from click.testing import CliRunner
@@ -36,11 +37,16 @@ def _settings(**kw) -> ChaosSettings:
 
 
 @pytest.fixture(scope="module")
-def srv(target, tok):
+def live(target, tok):
     with local_server(target, tok, max_batch=8) as ls:
         svc = ls.app[SERVICE]
         svc.eos = []                     # every request runs to its length cap
-        yield Server(ls.url, ls.signer, lambda: svc.verifier.passes)
+        yield Server(ls.url, ls.signer, lambda: svc.verifier.passes), svc
+
+
+@pytest.fixture(scope="module")
+def srv(live):
+    return live[0]
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +78,47 @@ def test_verify_fault_leaves_the_output_identical(srv, drafter, tok, refs, kind)
     _clean(row)
 
 
+def test_a_request_cut_mid_body_is_no_server_error(srv, drafter, tok, refs, caplog):
+    s = _settings(modes=("stop-and-wait",), samplings={"greedy": SamplingConfig()})
+    with caplog.at_level(logging.ERROR, logger="aiohttp.server"):
+        row = run_fault(srv, drafter, tok, s, Fault("r", "reset-request", at=(2, 3)), refs)
+    _clean(row)
+    assert not [r for r in caplog.records if "Error handling request" in r.getMessage()]
+
+
 @pytest.mark.parametrize("kind", ["drop-response", "duplicate"])
 def test_create_fault_leaves_the_output_identical(srv, drafter, tok, refs, kind):
     row = run_fault(srv, drafter, tok, _settings(), Fault(kind, kind, "create", (1,)), refs)
     _clean(row)
+
+
+def test_a_create_whose_answer_is_lost_leaves_no_second_session(live, drafter, tok, refs):
+    srv, svc = live
+    n0 = len(svc.sessions)
+    s = _settings(modes=("stop-and-wait",), samplings={"greedy": SamplingConfig()})
+    row = run_fault(srv, drafter, tok, s, Fault("d", "drop-response", "create", (1,)), refs)
+    _clean(row)
+    assert len(svc.sessions) == n0       # the retry got the same session, deleted at the end
+
+
+def test_create_with_a_request_id_is_idempotent(live):
+    from edge_sdk.protocol import wire
+    from tests.conftest import RawHTTP
+
+    srv, svc = live
+    http = RawHTTP(srv.url, srv.signer)
+    try:
+        n0 = len(svc.sessions)
+        a = http.create(prompt_ids=[4, 5, 6], request_id="r-1")
+        b = http.create(prompt_ids=[4, 5, 6], request_id="r-1")
+        assert a["session_id"] == b["session_id"] and len(svc.sessions) == n0 + 1
+        st, data = http("POST", "/v1/sessions", wire.pack({"prompt_ids": [4, 5],
+                                                           "request_id": "r-1"}))
+        assert st == 409 and b"request_id_reused" in data
+        st, _ = http("POST", "/v1/sessions", wire.pack({"prompt_ids": [4], "request_id": 5}))
+        assert st == 400
+    finally:
+        http.close()
 
 
 def test_pipeline_of_8_rides_out_a_dropped_response(srv, drafter, tok, refs):
@@ -160,7 +203,7 @@ def test_cli_writes_the_table_and_chaos_json(monkeypatch, tmp_path, target, draf
 
     monkeypatch.setattr(R, "_load", lambda t, d, dt, log: (target, tok, TorchDrafter(draft),
                                                            "tiny-draft", "float32"))
-    monkeypatch.setattr(R, "_prompts", lambda tok, n, seed: PROMPTS[:n])
+    monkeypatch.setattr(R, "_prompts", lambda tok, n, seed, length=64: PROMPTS[:n])
     monkeypatch.setattr(R, "fault_matrix", lambda timeout_s, quick, at: [
         Fault("none", "none"), Fault("drop-response", "drop-response", at=at)])
     res = CliRunner().invoke(bench, ["--chaos", "--quick", "--out", str(tmp_path),

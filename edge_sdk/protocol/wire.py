@@ -276,7 +276,10 @@ class CorrectionResponse:
 # ----------------------------------------------------------------------------- sessions
 
 SESSION_FIELDS = {"prompt", "prompt_ids", "chat", "sampling", "seed", "max_new_tokens",
-                  "vocab_size", "tokenizer_hash", "mode", "support_k", "n_proposals"}
+                  "vocab_size", "tokenizer_hash", "mode", "support_k", "n_proposals",
+                  "request_id"}
+MAX_REQUEST_ID = 64
+"""Longest ``request_id`` of a create request (characters)."""
 
 
 def decode_session_request(m: dict, vocab_size: int, max_context: int) -> dict:
@@ -321,4 +324,8 @@ def decode_session_request(m: dict, vocab_size: int, max_context: int) -> dict:
     out["mode"] = mode
     out["support_k"] = _int(m.get("support_k", 32), "support_k", 1, vocab_size)
     out["n_proposals"] = _int(m.get("n_proposals", 4), "n_proposals", 0, 256)
+    rid = m.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not 1 <= len(rid) <= MAX_REQUEST_ID):
+        raise WireError("request_id", f"expected a string of 1..{MAX_REQUEST_ID} characters")
+    out["request_id"] = rid
     return out
