@@ -114,8 +114,9 @@ def _cpus(value: str | None) -> list[int] | None:
               "fault-free one. Writes OUT/chaos.json and OUT/chaos.md; exits 1 when a "
               "token is lost or duplicated or an undocumented exception is raised. "
               "Default pair: smollm2-135m, float32, depth 4. With --quick: <= 5 min, 1 "
-              "prompt, 16 tokens, the 30 s partition replaced by 5 s. Takes --target, "
-              "--draft, --dtype, --prompts, --max-new-tokens, --depth, --sampling, --seed.")
+              "prompt (32 tokens), 12 new tokens, the 30 s partition replaced by 5 s. "
+              "Takes --target, --draft, --dtype, --prompts, --max-new-tokens, --depth, "
+              "--sampling, --seed.")
 def bench(**o):
     """Benchmark modes x network profiles x workloads through the link emulator.
 

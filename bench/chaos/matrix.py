@@ -23,6 +23,7 @@ Scoring: :mod:`bench.chaos.score`.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -175,8 +176,9 @@ def run_fault(srv: Server, drafter, tok, s: ChaosSettings, fault: Fault, refs: d
     row = Row(fault.name, note=fault.note)
     for sname, cfg in s.samplings.items():
         for mode in s.modes:
-            log(f"chaos: {fault.name} / {sname} / {mode}")
+            t0 = time.perf_counter()
             runs = _cell(srv, drafter, tok, s, mode, cfg, fault)
+            log(f"chaos: {fault.name} / {sname} / {mode}: {time.perf_counter() - t0:.1f} s")
             for (toks, err, passes, fired), (rtoks, _, rpasses, _) in zip(
                     runs, refs[sname, mode]):
                 row.add(RunOutcome(toks, err, rtoks, passes,

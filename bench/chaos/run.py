@@ -4,14 +4,14 @@ the fault matrix through the fault proxy, write ``chaos.json`` / ``chaos.md``.
 Presets (:data:`PRESETS`; explicit ``--prompts``, ``--max-new-tokens``, ``--depth``,
 ``--sampling`` override them):
 
-* ``quick`` (<= 5 minutes on 2 cores with the small pair): 1 HumanEval prompt per
-  sequential mode (the pipeline: 8), 16 new tokens, one fault per run (the 2nd matching
+* ``quick`` (<= 5 minutes on 2 quiet cores with the small pair): 1 HumanEval prompt
+  (its first 32 tokens) per sequential mode (the pipeline: 8), 12 new tokens, one fault per run (the 2nd matching
   request), the 30 s partition replaced by a 5 s one (noted in the table);
-* ``full``: 3 prompts, 48 new tokens, faults on the 2nd and 5th matching requests.
+* ``full``: 3 prompts (first 64 tokens), 48 new tokens, faults on the 2nd and 5th
+  matching requests.
 
 Both: greedy and seeded sampling (temperature 0.7, top-p 0.9), draft depth 4, the
-client's per-request timeout 3 s, 2 transport retries, ``offline_timeout_s`` 60 s;
-prompts cut to their first :data:`PROMPT_TOKENS` tokens.
+client's per-request timeout 3 s, 2 transport retries, ``offline_timeout_s`` 60 s.
 """
 
 from __future__ import annotations
@@ -26,26 +26,22 @@ from bench.chaos.report import print_table, write_outputs
 
 __all__ = ["PRESETS", "ChaosFailed", "run_chaos", "settings_for"]
 
-PRESETS = {"quick": dict(prompts=1, max_new_tokens=16, at=(2,)),
-           "full": dict(prompts=3, max_new_tokens=48, at=(2, 5))}
+PRESETS = {"quick": dict(prompts=1, max_new_tokens=12, at=(2,), prompt_tokens=32),
+           "full": dict(prompts=3, max_new_tokens=48, at=(2, 5), prompt_tokens=64)}
 
 
 class ChaosFailed(Exception):
     """A run lost or duplicated tokens, or raised an undocumented exception."""
 
 
-PROMPT_TOKENS = 64
-"""Prompts are cut to their first 64 tokens: the faults do not depend on the prompt,
-the prefill time (8 creates of a pipeline at once) does."""
-
-
-def _prompts(tok, n: int, seed: int) -> list[list[int]]:
+def _prompts(tok, n: int, seed: int, length: int = 64) -> list[list[int]]:
     """``n`` HumanEval prompts (completion prompts, no chat template) as token ids, each
-    cut to :data:`PROMPT_TOKENS`."""
+    cut to its first ``length`` tokens: the faults do not depend on the prompt, the
+    prefill time (8 creates of a pipeline at once) does."""
     from bench.workloads import load_workload
     from edge_sdk.models import encode_prompt
 
-    return [list(encode_prompt(tok, p.text, False))[:PROMPT_TOKENS]
+    return [list(encode_prompt(tok, p.text, False))[:length]
             for p in load_workload("humaneval", n, seed)]
 
 
@@ -62,7 +58,7 @@ def settings_for(tok, quick: bool, prompts: int | None, max_new_tokens: int | No
     if unknown:
         raise ValueError(f"unknown sampling variant {unknown[0]!r}")
     n = prompts or p["prompts"]
-    ids = _prompts(tok, max(n, PIPELINE), seed)
+    ids = _prompts(tok, max(n, PIPELINE), seed, p["prompt_tokens"])
     s = ChaosSettings(prompts=ids[:n], pipeline_prompts=ids[:PIPELINE],
                       samplings={k: SamplingConfig(**SAMPLING_PRESETS[k]) for k in sampling},
                       max_new_tokens=max_new_tokens or p["max_new_tokens"], depth=depth,
