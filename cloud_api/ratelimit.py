@@ -59,6 +59,13 @@ class RateLimitExceeded(Exception):
         self.state, self.code = state, code
 
 
+def _window_state(lim: MovingWindowRateLimiter, item, key: str, allowed: bool) -> LimitState:
+    """The moving window of ``key`` under ``item`` as a :class:`LimitState`."""
+    stats = lim.get_window_stats(item, key)
+    return LimitState(item.amount, stats.remaining,
+                      max(0.0, stats.reset_time - time.time()), allowed)
+
+
 class RateLimiter:
     """Moving-window limiter keyed by ``ApiKey.account_id`` (a key and its rotations
     share their windows).
@@ -78,9 +85,7 @@ class RateLimiter:
         return RateLimitItemPerSecond(amount, self.window_s, namespace=ns)
 
     def _state(self, item, key_id: str, allowed: bool) -> LimitState:
-        stats = self._lim.get_window_stats(item, key_id)
-        return LimitState(item.amount, stats.remaining,
-                          max(0.0, stats.reset_time - time.time()), allowed)
+        return _window_state(self._lim, item, key_id, allowed)
 
     def hit_request(self, key: ApiKey) -> LimitState:
         """Charge one request; returned state has ``allowed=False`` when over ``rpm``."""
@@ -157,18 +162,13 @@ def unauthenticated_ip_middleware(per_window: int, *, window_s: int = 60,
     lim = MovingWindowRateLimiter(storage or MemoryStorage())
     item = RateLimitItemPerSecond(int(per_window), int(window_s), namespace="sr-ip")
 
-    def state(ip: str, allowed: bool) -> LimitState:
-        stats = lim.get_window_stats(item, ip)
-        return LimitState(item.amount, stats.remaining,
-                          max(0.0, stats.reset_time - time.time()), allowed)
-
     @web.middleware
     async def middleware(request: web.Request, handler):
         ip = request.remote or "unknown"
         if not lim.test(item, ip):
             return error_response(429, "too_many_unauthenticated",
                                   "too many unauthenticated requests from this address",
-                                  state(ip, False).headers())
+                                  _window_state(lim, item, ip, False).headers())
         try:
             return await handler(request)
         finally:
