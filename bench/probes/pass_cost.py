@@ -1,0 +1,38 @@
+"""Target verify-pass cost against the number of tokens in the pass.
+
+    python -m bench.probes.pass_cost [--target qwen2.5-coder-1.5b] [--dtype bfloat16]
+
+Prints, per pass size n in 1, 9, 13, 17, 25, the four timings (ms, sorted) of a pass
+of n tokens after a 200-token context, on one thread.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16") -> dict:
+    import torch
+
+    from edge_sdk.kvmodel import KVModel
+    from edge_sdk.models import load_model
+
+    torch.set_num_threads(1)
+    m, _ = load_model(target, dtype=dtype)
+    ctx, out = list(range(1000, 1200)), {}
+    for n in (1, 9, 13, 17, 25):
+        ts = []
+        for _ in range(4):
+            kv = KVModel(m)
+            kv.forward(ctx)
+            t0 = time.perf_counter()
+            kv.forward(list(range(500, 500 + n)))
+            ts.append(time.perf_counter() - t0)
+        out[n] = sorted(1000 * t for t in ts)
+        print(n, [f"{t:.0f}" for t in out[n]], flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
