@@ -16,8 +16,8 @@ from bench.config import BenchConfig
 from bench.contention import EdgeLoad, SlowdownDrafter
 from bench.linkem import LinkEmulatorThread, Profile
 from bench.modes import EdgeContext, RequestRecord
-from bench.report.cell_metrics import (concurrent_metrics, depth_summary, proactive_timing,
-                                       proactive_totals, request_totals)
+from bench.report.cell_metrics import (concurrent_metrics, depth_summary, early_timing,
+                                       proactive_timing, proactive_totals, request_totals)
 from bench.report.labels import point_label, workload_label
 
 __all__ = ["Shared", "warmup", "measure_cells"]
@@ -176,7 +176,7 @@ def _metrics(sh: Shared, cell: Cell, prof: Profile, out: _Outcome) -> dict:
             server_max_batch=out.max_batch or sh.default_batch,
             edge_cpu_s=out.sink.get("edge_cpu_s"), cloud_cpu_s=out.cloud_cpu_s)
     m["draft_slowed_calls"] = out.slowed_calls
-    m.update(proactive_timing(per), **depth_summary(per))
+    m.update(proactive_timing(per), **early_timing(per), **depth_summary(per))
     m.update(cell.mode.run_metrics(per))
     m.update(proactive_totals(per))
     return m

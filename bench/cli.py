@@ -83,6 +83,10 @@ def _cpus(value: str | None) -> list[int] | None:
               "holds up to near-ties, which are counted).")
 @click.option("--max-wait-ms", type=click.FloatRange(0.0), default=0.0, show_default=True,
               help="Cloud batcher: ms to wait for more blocks after the first of a batch.")
+@click.option("--early-exit", default="fit", show_default=True, metavar="auto|fit|LAYER",
+              help="The cloud's early exit for the FSD modes (fsd, fsd+ipdg), as "
+              "`specrelay serve --early-exit`: fit = the preset's calibrated layer, its head "
+              "fitted once if not cached (about a minute).")
 @click.option("--draft", default=None,
               help="Draft model (default: qwen2.5-coder-0.5b; for a smollm2 target its "
               "trained draft smollm2-135m-draft).")
@@ -249,8 +253,8 @@ def _config(o: dict):
                           auth=not o["insecure_no_auth"], edge_load=o["edge_load"],
                           warmup=not o["no_warmup"], dtype=o["dtype"],
                           server_kw={"max_wait_s": o["max_wait_ms"] / 1000.0}, **run, **kw)
-        for m in cfg.modes:
-            M.get_mode(m)
+        if any(M.get_mode(m).early_exit for m in cfg.modes):
+            cfg.server_kw["early_exit"] = o["early_exit"]
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     return cfg

@@ -70,6 +70,8 @@ def _server_main(conn, target, dtype: str, cpus, threads: int, auth: bool,
             from cloud_api.local import ephemeral_key_store
 
             store, raw_key = ephemeral_key_store("bench-ephemeral", rpm=10**9, tpm=10**12)
+        if "early_exit" in server_kw and isinstance(target, str):
+            server_kw = {"early_exit_preset": target, **server_kw}
         asyncio.run(_serve(conn, model, tok, store, raw_key, threads, load_s, server_kw))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         try:
@@ -83,6 +85,12 @@ async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -
 
     from cloud_api.app import SERVICE, create_app
 
+    server_kw = dict(server_kw)
+    if "early_exit" in server_kw:             # FSD modes: the preset's exit head
+        from cloud_api.early_exit import early_head_for
+
+        server_kw["early_head"] = early_head_for(model, tok, server_kw.pop("early_exit"),
+                                                 server_kw.pop("early_exit_preset", None))
     app = create_app(model, tok, key_store=store, threads=threads, **server_kw)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()

@@ -2,7 +2,9 @@
 
 Routes (handlers in :mod:`cloud_api.routes`, the service in :mod:`cloud_api.service`):
     POST   /v1/sessions                    create a session, prefill the target KV cache
-    POST   /v1/sessions/{id}/verify        verify one draft block (msgpack array)
+    POST   /v1/sessions/{id}/verify        verify one draft block (msgpack array; with
+                                           Accept x-msgpack-seq: FSD's early verdict,
+                                           then the final one, streamed)
     POST   /v1/sessions/{id}/correction    larger top-K support or the full p of the
                                            block awaiting its correction token
     GET    /v1/sessions/{id}               confirmed state (JSON)
@@ -108,7 +110,8 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60,
             (started and stopped with this app) instead of on the API port, so the API
             port can face the internet while the metrics stay on a private interface.
         service_kw: :class:`CloudService` options (max_block, max_batch, max_wait_s,
-            session_ttl_s, max_sessions, threads).
+            session_ttl_s, max_sessions, threads, early_head: an
+            :class:`cloud_api.early_exit.ExitHead` for FSD's streamed early verdicts).
     """
     from cloud_api.metrics import METRICS, ApiMetrics
 

@@ -33,10 +33,12 @@ class VerifyQueue:
             except asyncio.CancelledError:
                 pass
 
-    async def submit(self, session, req):
-        """Queue one block; returns its VerifyResponse or raises its ApiError."""
+    async def submit(self, session, req, sink=None):
+        """Queue one block; returns its VerifyResponse or raises its ApiError.
+        ``sink(EarlyVerdict)``: called on the target thread with the block's early
+        verdict, when the verifier has an early exit (FSD)."""
         fut = asyncio.get_running_loop().create_future()
-        await self._q.put((session, req, fut))
+        await self._q.put((session, req, fut, sink))
         res = await fut
         if isinstance(res, BaseException):
             raise res
@@ -57,12 +59,14 @@ class VerifyQueue:
             self.batch_sizes.append(len(batch))
             if self.on_batch is not None:
                 self.on_batch(len(batch))
-            items = [(s, r) for s, r, _ in batch]
+            items = [(s, r) for s, r, *_ in batch]
+            sinks = [k for *_, k in batch]
+            extra = (sinks,) if any(k is not None for k in sinks) else ()
             try:
-                results = await loop.run_in_executor(self.executor,
-                                                      self.verifier.verify_batch, items)
+                results = await loop.run_in_executor(
+                    self.executor, self.verifier.verify_batch, items, *extra)
             except Exception as e:  # noqa: BLE001 - hand the failure to every waiter
                 results = [e] * len(batch)
-            for (_, _, fut), res in zip(batch, results):
+            for (_, _, fut, _), res in zip(batch, results):
                 if not fut.done():
                     fut.set_result(res)

@@ -27,7 +27,7 @@ class InProcessTransport:
             await self.svc.queue.stop()
             self._started = False
 
-    async def _dispatch(self, method: str, path: str, body: bytes) -> bytes:
+    async def _dispatch(self, method: str, path: str, body: bytes, on_early=None) -> bytes:
         if path == "/v1/sessions" and method == "POST":
             return wire.pack(await self.svc.create(wire.unpack(body), None))
         m = _SESSION.match(path)
@@ -35,7 +35,9 @@ class InProcessTransport:
             raise ApiError(404, "not_found", "no such route")
         sid, tail = m.groups()
         if method == "POST" and tail == "/verify":
-            return await self.svc.verify(sid, body, None)
+            sink = None if on_early is None else (
+                lambda b: on_early(wire.EarlyVerdict.from_list(wire.unpack(b))))
+            return await self.svc.verify(sid, body, None, on_early=sink)
         if method == "POST" and tail == "/correction":
             return await self.svc.correction(sid, body, None)
         if method == "DELETE" and tail is None:
@@ -44,12 +46,12 @@ class InProcessTransport:
         raise ApiError(405, "method_not_allowed", "method not allowed")
 
     async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: str = MSGPACK) -> tuple[bytes, str]:
+                      content_type: str = MSGPACK, on_early=None) -> tuple[bytes, str]:
         if not self._started:
             self.svc.queue.start()
             self._started = True
         try:
-            data = await self._dispatch(method, path, body)
+            data = await self._dispatch(method, path, body, on_early)
         except ApiError as e:
             raise RemoteError(e.status, e.body()) from None
         except wire.WireError as e:

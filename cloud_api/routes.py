@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 from aiohttp import web
 
@@ -13,6 +15,8 @@ from cloud_api.context import owner as _owner
 from cloud_api.service import CloudService
 from cloud_api.sessions import ApiError
 from edge_sdk.protocol import wire
+
+log = logging.getLogger("cloud_api")
 
 
 async def _read_control(request: web.Request) -> dict:
@@ -44,16 +48,59 @@ def _msgpack_body(request: web.Request) -> None:
                        f"({MSGPACK}), not {request.content_type}", "content-type")
 
 
-async def verify(request: web.Request) -> web.Response:
+async def verify(request: web.Request) -> web.StreamResponse:
+    """Verify one block. A request whose ``Accept`` names ``wire.STREAM_SEQ`` gets a
+    streamed answer (FSD): the early verdict as soon as the exit layer has run, then
+    the final verdict (or the final alone: a duplicate, no early exit)."""
     _msgpack_body(request)
     svc: CloudService = request.app[SERVICE]
     limiter, key = request.get("ratelimiter"), request.get("api_key")
     charge = None
     if limiter is not None and key is not None:
         charge = lambda n: limiter.consume_tokens(key, n)  # noqa: E731
-    out = await svc.verify(request.match_info["sid"], await request.read(), _owner(request),
-                           charge)
-    return web.Response(body=out, content_type=MSGPACK)
+    args = (request.match_info["sid"], await request.read(), _owner(request), charge)
+    if wire.STREAM_SEQ not in request.headers.get("Accept", ""):
+        return web.Response(body=await svc.verify(*args), content_type=MSGPACK)
+    return await _verify_streamed(request, svc, args)
+
+
+async def _verify_streamed(request: web.Request, svc: CloudService, args) -> web.StreamResponse:
+    """The streamed verify answer. An error before the early verdict is an ordinary
+    4xx/5xx JSON answer; after it (the status line is sent) it is a stream-error item."""
+    early: asyncio.Queue = asyncio.Queue()
+    final = asyncio.ensure_future(svc.verify(*args, on_early=early.put_nowait))
+    first = asyncio.ensure_future(early.get())
+    await asyncio.wait({final, first}, return_when=asyncio.FIRST_COMPLETED)
+    if not first.done():
+        first.cancel()
+    resp = web.StreamResponse(headers={"Content-Type": wire.STREAM_SEQ,
+                                       "Cache-Control": "no-store"})
+    if not first.cancelled() and first.done():
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(first.result())
+    try:
+        out = await final
+    except ApiError as e:
+        if not resp.prepared:
+            raise
+        out = wire.stream_error(e.status, e.body()["error"])
+    except wire.WireError as e:
+        if not resp.prepared:
+            raise
+        out = wire.stream_error(400, {"code": "bad_request", "message": e.message,
+                                      "field": e.field})
+    except Exception:
+        if not resp.prepared:
+            raise
+        log.exception("verify failed after its early verdict was sent")
+        out = wire.stream_error(500, {"code": "internal", "message": "verification failed"})
+    if not resp.prepared:
+        resp.content_length = len(out)
+        await resp.prepare(request)
+    await resp.write(out)
+    await resp.write_eof()
+    return resp
 
 
 async def correction(request: web.Request) -> web.Response:

@@ -37,9 +37,9 @@ class CloudService:
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
                  max_sessions: int = 256, max_sessions_per_key: int = 64,
                  kv_budget_bytes: int | None = None, threads: int | None = None,
-                 metrics=None):
+                 metrics=None, early_head=None):
         self.model, self.tokenizer = model, tokenizer
-        self.verifier = Verifier(model, max_block)
+        self.verifier = Verifier(model, max_block, early_head)
         self.sessions = SessionStore(session_ttl_s, max_sessions, max_sessions_per_key,
                                      kv_budget_bytes, kv_bytes_per_token(model))
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")
@@ -136,9 +136,13 @@ class CloudService:
                 "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
                 "prefill_s": prefill_s}
 
-    async def verify(self, sid: str, body: bytes, owner: str | None, charge=None) -> bytes:
+    async def verify(self, sid: str, body: bytes, owner: str | None, charge=None,
+                     on_early=None) -> bytes:
         """Verify one block. ``charge(n)`` meters the block's n = g + 1 tokens before the
-        target pass (it raises to refuse; a duplicate is answered without charge)."""
+        target pass (it raises to refuse; a duplicate is answered without charge).
+        ``on_early(bytes)``: called on the event loop with the encoded EarlyVerdict of
+        the block while its pass still runs (FSD; only with an early exit, never for a
+        duplicate answered from the replay cache)."""
         s = self.sessions.get(sid, owner)
         async with self.lock(s.id):
             digest = hashlib.sha256(body).digest()
@@ -154,13 +158,21 @@ class CloudService:
             self.verifier.check(s, req)   # stale blocks are refused before any charge
             if charge is not None:
                 charge(len(req.tokens) + 1)
-            resp = await self.queue.submit(s, req)
+            resp = await self.queue.submit(s, req, self._early_sink(on_early))
             self.sessions.enforce(keep=s.id)   # the block grew the KV cache
             out = resp.encode()
             if self.metrics is not None:
                 self.metrics.observe_verify(resp, len(req.tokens))
             s.remember(req.block_seq, digest, out, req.pending_commit is not None)
             return out
+
+    def _early_sink(self, on_early):
+        """A target-thread callable handing an EarlyVerdict's bytes to ``on_early`` on
+        the event loop (None without an early exit or a caller that wants it)."""
+        if on_early is None or self.verifier.early_head is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return lambda v: loop.call_soon_threadsafe(on_early, v.encode())
 
     async def correction(self, sid: str, body: bytes, owner: str | None) -> bytes:
         s = self.sessions.get(sid, owner)

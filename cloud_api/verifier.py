@@ -7,18 +7,23 @@ Mechanism only: the acceptance rule, residual and certificate math come from
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
 
+from cloud_api.early_exit import ExitHead, decoder_layers
+from cloud_api.early_verdict import provisional_verdict
 from cloud_api.sessions import ApiError, Session
 from edge_sdk.kvmodel import batched_forward
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
-                                    VerifyRequest, VerifyResponse)
+                                    EarlyVerdict, VerifyRequest, VerifyResponse)
+
+log = logging.getLogger("cloud_api")
 
 
 class Verifier:
@@ -27,9 +32,16 @@ class Verifier:
     ``verify_batch`` takes a list of (session, request) pairs (a batching front end
     hands over whatever has arrived) and runs them in one padded target pass; each pair
     is answered on its own. ``passes`` counts target passes (a batch counts once).
+
+    With an ``early_head`` (FSD), a block whose caller passed a sink gets a provisional
+    :class:`~edge_sdk.protocol.wire.EarlyVerdict` from the exit layer *during* the pass
+    (a forward hook on that decoder layer: same pass, same positions and caches; the
+    layers above still run in full); ``early_frames`` / ``early_hits`` count them and
+    how many matched the final verdict.
     """
 
-    def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS):
+    def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS,
+                 early_head: ExitHead | None = None):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))
@@ -38,6 +50,13 @@ class Verifier:
         self.target_seconds = 0.0
         self.near_tie_gap = S.near_tie_gap(next(model.parameters()).dtype)
         self.near_ties = 0          # committed greedy tokens chosen at a near-tie
+        self.early_head = early_head
+        self.early_frames = self.early_hits = 0
+        self._early = None          # (pass start, rows wanting an early verdict)
+        self._provisional: dict[int, tuple] = {}    # id(request) -> (accepted, next)
+        if early_head is not None:
+            decoder_layers(model)[early_head.layer - 1].register_forward_hook(
+                self._exit_hook)
 
     def prefill(self, s: Session) -> float:
         """Fill the target cache with the prompt minus its last token. Returns seconds."""
@@ -47,11 +66,14 @@ class Verifier:
             s.kv.forward(s.tokens[:-1])
         return time.perf_counter() - t0
 
-    def verify_batch(self, items: list[tuple[Session, VerifyRequest]]):
+    def verify_batch(self, items: list[tuple[Session, VerifyRequest]], sinks=None):
         """Verify blocks of different sessions in ONE batched target pass (rows padded
         to a common length, each session's own KV cache). Returns one VerifyResponse or
-        ApiError per item, in order; each session ends at its own confirmed prefix."""
+        ApiError per item, in order; each session ends at its own confirmed prefix.
+        ``sinks``: per item a callable taking the block's EarlyVerdict (called on the
+        target thread, mid-pass), or None."""
         results: list = [None] * len(items)
+        self._provisional.clear()
         ready = []
         for i, (s, req) in enumerate(items):
             try:
@@ -68,13 +90,52 @@ class Verifier:
         t0 = time.perf_counter()
         for _, s, _, context, _ in ready:
             s.kv.align(context[:-1])
-        logits = batched_forward([s.kv for _, s, *_ in ready],
-                                 [[ctx[-1]] + blk for *_, ctx, blk in ready])
+        wants = [(b, *row, sinks[row[0]]) for b, row in enumerate(ready)
+                 if sinks is not None and sinks[row[0]] is not None]
+        self._early = (time.perf_counter(), wants) if wants and self.early_head else None
+        try:
+            logits = batched_forward([s.kv for _, s, *_ in ready],
+                                     [[ctx[-1]] + blk for *_, ctx, blk in ready])
+        finally:
+            self._early = None
         share = (time.perf_counter() - t0) / len(ready)   # cost per block, seconds
         self.passes += 1
         for (i, s, req, context, block), lg in zip(ready, logits):
             results[i] = self._decide(s, req, context, block, lg, share)
+            self._count_early(req, results[i])
         return results
+
+    # ------------------------------------------------------------------ early exit
+
+    def _exit_hook(self, module, args, out) -> None:
+        """Forward hook on the exit layer: send each waiting row its provisional
+        verdict (once per pass). Never fails the pass: an error is logged."""
+        ctx, self._early = self._early, None
+        if ctx is None:
+            return
+        t0, rows = ctx
+        h = out[0] if isinstance(out, tuple) else out             # [B, T, H]
+        for b, i, s, req, context, block, sink in rows:
+            try:
+                q = (req.q_full[np.arange(len(block)), block] if req.q_full is not None
+                     else req.q_tok)
+                a, nxt = provisional_verdict(
+                    s.cfg, s.seed, context, block, q,
+                    self.early_head.logits(h[b, :len(block) + 1]),
+                    self.early_head.accept_topk)
+                self._provisional[id(req)] = (a, nxt)
+                sink(EarlyVerdict(req.block_seq, a, nxt, self.early_head.layer,
+                                  time.perf_counter() - t0))
+            except Exception:  # noqa: BLE001 - the early verdict is advisory only
+                log.exception("early exit failed for session %s", s.id)
+
+    def _count_early(self, req: VerifyRequest, res) -> None:
+        """Count an early verdict and whether the final one matched it."""
+        prov = self._provisional.pop(id(req), None)
+        if prov is None or not isinstance(res, VerifyResponse):
+            return
+        self.early_frames += 1
+        self.early_hits += prov == (res.accepted, res.next_token)
 
     def verify(self, s: Session, req: VerifyRequest) -> VerifyResponse:
         """Verify one block (a batch of one). Raises ApiError."""

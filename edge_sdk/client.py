@@ -52,8 +52,12 @@ class EdgeClient:
             client), or a zero-argument factory returning one. None: fixed ``depth``.
         proactive: ``off`` (stop-and-wait), ``ipdg`` (RAPID's interruptible proactive
             drafting: draft the next block while the current one is verified, stop at the
-            first expansion step after the verdict) or ``npdg`` (the non-interruptible
-            baseline). Proactive steps share the scheduler's draft worker but are not
+            first expansion step after the verdict), ``npdg`` (the non-interruptible
+            baseline), ``fsd`` (the FSD review: draft the next block from the early
+            verdict the cloud streams from an early exit of the target, before the final
+            one; needs a server started with an early exit, else it drafts nothing
+            ahead) or ``fsd+ipdg`` (IPDG's guesses, pruned or redirected by the early
+            verdict). The final verdict alone decides. Proactive steps share the scheduler's draft worker but are not
             confirmed-prefix grants (they draft a descendant of an unresolved block).
         proactive_roots: b, the number of guessed bonus tokens (b > 1: a tree of b
             branches, each on its own drafter fork).
@@ -99,7 +103,8 @@ class EdgeClient:
         if not 1 <= int(proactive_roots) <= MAX_PROACTIVE_ROOTS:
             raise ValueError(f"proactive_roots must be in 1..{MAX_PROACTIVE_ROOTS}")
         if send_ahead and proactive == "off":
-            raise ValueError("send_ahead needs proactive='ipdg' or 'npdg'")
+            raise ValueError("send_ahead needs proactive='ipdg', 'npdg', 'fsd' or "
+                             "'fsd+ipdg'")
         if on_cloud_loss not in CLOUD_LOSS_POLICIES:
             raise ValueError(f"on_cloud_loss must be one of {CLOUD_LOSS_POLICIES}")
         self.on_cloud_loss, self.offline_timeout_s = on_cloud_loss, offline_timeout_s

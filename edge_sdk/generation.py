@@ -24,7 +24,7 @@ from edge_sdk.drafters.base import DraftBlock
 from edge_sdk.metrics import RequestMetrics
 from edge_sdk.models import encode_prompt, tokenizer_fingerprint
 from edge_sdk.offline import CloudLoss
-from edge_sdk.proactive import Lookahead, ProactiveResult
+from edge_sdk.proactive import EARLY_MODES, Lookahead, ProactiveResult
 from edge_sdk.protocol import rng
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.results import CloudUnreachable, GenerationResult, TokenEvent
@@ -236,8 +236,9 @@ class Generation:
             new = new + [await self._correct(resp, block, out.accepted)]
         rounds.count_verdict(self.m, out, resp, block, len(tokens) - len(self.prompt_ids))
         rounds.check_confirmed_length(resp, tokens, new)
+        self._count_early(pro, resp, t_resp)
         wasted = out.depth - out.accepted + self.pro.settle(
-            pro, resp.next_token if out.all_accepted else None, self.committer.done, self.m)
+            pro, list(tokens) + new, self.committer.done, self.m)
         if nxt_ahead is not None and self.pro.kept is not None:   # the chain's hit
             self._ahead = nxt_ahead          # the cloud is verifying it already
         else:
@@ -248,15 +249,33 @@ class Generation:
         self.round_idx += 1
         return new
 
+    def _count_early(self, pro: ProactiveResult | None, resp, t_resp: float) -> None:
+        """FSD: count the round's early verdict and whether it predicted the final."""
+        ev = None if pro is None else pro.early
+        if ev is None:
+            return
+        self.m.early_verdicts += 1
+        self.m.early_hits += (ev.accepted, ev.next_token) == (resp.accepted,
+                                                              resp.next_token)
+        self.m.early_lead_s += max(0.0, t_resp - pro.t_early)
+
     async def _exchange(self, tokens, block, ahead):
         """Send the block (or await the one sent ahead) while the next one is drafted
         proactively, and maybe sent ahead. Returns (response, perf_counter of the
         response, ProactiveResult or None, the next Ahead or None)."""
-        send = asyncio.ensure_future(self._timed_send(tokens, block) if ahead is None
-                                     else self.sess.await_ahead(ahead))
+        early = (asyncio.get_running_loop().create_future()
+                 if ahead is None and self.c.proactive in EARLY_MODES else None)
+
+        def on_early(ev) -> None:
+            if not early.done():
+                early.set_result(ev)
+
+        send = asyncio.ensure_future(
+            self._timed_send(tokens, block, on_early if early is not None else None)
+            if ahead is None else self.sess.await_ahead(ahead))
         nxt_ahead = None
         try:
-            pro = await self._speculate(tokens, block, send)
+            pro = await self._speculate(tokens, block, send, early)
             nxt_ahead = self._send_ahead(block, pro, send)
             resp, t_resp = await send
         except BaseException:
@@ -265,8 +284,8 @@ class Generation:
             raise
         return resp, t_resp, pro, nxt_ahead
 
-    async def _timed_send(self, tokens, block):
-        resp = await self.sess.verify(tokens, block, self.committer.remaining)
+    async def _timed_send(self, tokens, block, on_early=None):
+        resp = await self.sess.verify(tokens, block, self.committer.remaining, on_early)
         return resp, time.perf_counter()
 
     async def _correct(self, resp, block: DraftBlock, a: int) -> int:
@@ -292,9 +311,10 @@ class Generation:
 
     # ------------------------------------------------------------------ proactive
 
-    async def _speculate(self, tokens, block, verdict) -> ProactiveResult | None:
+    async def _speculate(self, tokens, block, verdict, early=None) -> ProactiveResult | None:
         """IPDG/NPDG: draft the next block from the assumed prefix (``tokens`` + block,
-        fully accepted, + a guessed bonus) while ``verdict`` is pending."""
+        fully accepted, + a guessed bonus) while ``verdict`` is pending; FSD: from the
+        provisional prefix of the ``early`` verdict."""
         if self.c.proactive == "off" or self.target_only:
             return None
         g = len(block) if block else 0
@@ -304,7 +324,8 @@ class Generation:
         seed, nxt = self.seed, self.round_idx + 1
         return await self.pro.speculate(
             self.c.scheduler.executor, list(tokens) + (list(block.tokens) if block else []),
-            plan, self.cfg, lambda: rng.generator(seed, rng.DRAFT, nxt), verdict)
+            plan, self.cfg, lambda: rng.generator(seed, rng.DRAFT, nxt), verdict, early,
+            len(tokens))
 
     def _send_ahead(self, block, pro: ProactiveResult | None,
                     verdict: asyncio.Future) -> Ahead | None:

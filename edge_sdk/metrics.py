@@ -66,6 +66,12 @@ class RequestMetrics:
     ahead_blocks: int = 0           # blocks sent ahead
     ahead_hits: int = 0             # ... verified by the cloud and used
     ahead_dropped: int = 0          # ... refused as stale (a miss) or left unused
+    # FSD: early verdicts streamed by the cloud before the final one
+    early_verdicts: int = 0         # rounds whose early verdict arrived before the final
+    early_hits: int = 0             # ... and predicted it (accepted count and next token)
+    early_redirects: int = 0        # ... that started a branch of their own
+    early_redirect_hits: int = 0    # ... whose branch was kept
+    early_lead_s: float = 0.0       # sum over early verdicts of (final - early) arrival
     depth_hist: list = field(default_factory=list)      # controller's planned depth per round
     near_tie_positions: list = field(default_factory=list)  # generated-token indices whose
     # greedy target choice was a near-tie (top-2 gap < sampling.NEAR_TIE_GAP[dtype])
@@ -99,6 +105,8 @@ class RequestMetrics:
             "wasted_draft_tokens": self.wasted_draft_tokens,
             "proactive_hit_rate": self.proactive_hits / self.proactive_rounds
             if self.proactive_rounds else 0.0,
+            "early_verdict_hit_rate": self.early_hits / self.early_verdicts
+            if self.early_verdicts else 0.0,
             "correction_mode_counts": dict(self.correction_mode_counts),
             "tv_budget_spent": self.tv_budget_spent,
             "near_tie_tokens": len(ties),
@@ -120,5 +128,9 @@ class RequestMetrics:
             "proactive_late_steps": self.proactive_late_steps,
             "ahead_blocks": self.ahead_blocks, "ahead_hits": self.ahead_hits,
             "ahead_dropped": self.ahead_dropped,
+            "early_verdicts": self.early_verdicts, "early_hits": self.early_hits,
+            "early_redirects": self.early_redirects,
+            "early_redirect_hits": self.early_redirect_hits,
+            "early_lead_s": self.early_lead_s,
             "depth_hist": list(self.depth_hist),
         }

@@ -30,6 +30,16 @@ tokens on every switch (correct, slower).
 NPDG (non-interruptible baseline): runs to the planned depth whatever the feedback,
 then keeps (hit) or discards (miss).
 
+FSD (the FSD review, §III): the cloud streams an *early verdict* (accepted drafts and
+the next token, read at an early exit of the target) before the final one. On it the
+edge keeps the branch whose prefix is the provisional prefix (confirmed + accepted
+drafts + provisional next token) and drops the others, or, when no branch has that
+prefix (a block predicted to be rejected mid-way: IPDG's guess is wrong), starts a
+branch from it. ``fsd`` drafts only from early verdicts; ``fsd+ipdg`` starts with
+IPDG's guesses and lets the early verdict prune or redirect them. A branch is kept
+only if its prefix is the *final* confirmed prefix, so the early verdict never
+decides anything: a wrong one only wastes draft work.
+
 Exactness: every branch samples through ``Drafter.propose`` (the shared processors)
 with the generator of the round it would be drafted in (``edge_sdk.protocol.rng``,
 stream ``DRAFT``), so
@@ -50,7 +60,9 @@ import torch
 from edge_sdk.drafters.base import DraftBlock, Drafter
 from edge_sdk.protocol.sampling import SamplingConfig, process_next
 
-MODES = ("off", "ipdg", "npdg")
+MODES = ("off", "ipdg", "npdg", "fsd", "fsd+ipdg")
+EARLY_MODES = ("fsd", "fsd+ipdg")
+"""Proactive modes that ask the cloud for early verdicts."""
 
 
 def guess_roots(drafter: Drafter, assumed: Sequence[int], cfg: SamplingConfig,
@@ -121,53 +133,96 @@ class ProactiveResult:
     late_steps: int = 0          # steps started after the verdict had arrived (NPDG)
     t_ready: float | None = None     # perf_counter when expansion stopped
     step_s: float = 0.0          # seconds in expansion steps (roots forward included)
+    early: object = None         # the EarlyVerdict applied (FSD), or None
+    t_early: float | None = None     # perf_counter when it was applied
+    redirected: bool = False     # ... and it started a branch of its own
+    discarded: int = 0           # tokens of branches the early verdict dropped
 
     @property
     def roots(self) -> list[int]:
         return [b.root for b in self.branches]
 
     def drafted(self) -> int:
-        return sum(len(b.tokens) for b in self.branches)
+        return sum(len(b.tokens) for b in self.branches) + self.discarded
 
-    def settle(self, hit_root: int | None) -> tuple[Branch | None, int]:
-        """Keep the branch whose root is ``hit_root`` (None: a miss). Returns
-        ``(kept branch or None, discarded draft tokens)``."""
-        kept = next((b for b in self.branches if b.root == hit_root), None)
+    def settle(self, confirmed: Sequence[int] | None) -> tuple[Branch | None, int]:
+        """Keep the branch whose prefix is the ``confirmed`` prefix after the verdict
+        (None: nothing can match). Returns ``(kept branch or None, discarded draft
+        tokens)``."""
+        kept = (None if confirmed is None else
+                next((b for b in self.branches if b.prefix == list(confirmed)), None))
         return kept, self.drafted() - (len(kept.tokens) if kept else 0)
+
+    def apply_early(self, ev, assumed: Sequence[int], base_len: int, drafter: Drafter,
+                    gen: torch.Generator) -> None:
+        """FSD: keep the branches on the provisional prefix of early verdict ``ev``
+        (``assumed[:base_len]`` confirmed, ``assumed[base_len:]`` the block in flight);
+        start one on ``drafter`` with ``gen`` when none is (a provisional rejection
+        mid-block, or a bonus IPDG did not guess). A sampled rejection (no next token)
+        only drops the branches."""
+        self.early, self.t_early = ev, time.perf_counter()
+        g = len(assumed) - base_len
+        prov = (None if ev.next_token is None or ev.accepted > g else
+                list(assumed[:base_len + ev.accepted]) + [int(ev.next_token)])
+        keep = [b for b in self.branches if prov is not None and b.prefix == prov]
+        self.discarded += sum(len(b.tokens) for b in self.branches if b not in keep)
+        self.branches = keep
+        if prov is not None and not keep:
+            self.branches = [Branch(drafter, prov, gen, prov[-1])]
+            self.redirected = True
 
 
 async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int],
                         plan: int, cfg: SamplingConfig, gen_factory, b: int,
-                        verdict: asyncio.Future, interruptible: bool) -> ProactiveResult | None:
+                        verdict: asyncio.Future, interruptible: bool,
+                        early: asyncio.Future | None = None, base_len: int | None = None,
+                        guess: bool = True) -> ProactiveResult | None:
     """Draft the next block from ``assumed`` while ``verdict`` is pending.
 
     Args:
         drafters: one drafter per root (forks; ``drafters[0]`` guesses the roots).
         executor: the draft worker (forwards run there, off the event loop).
+        assumed: confirmed prefix + the block in flight (its first ``base_len`` ids
+            are confirmed).
         plan: planned depth (tokens) of the next block.
         gen_factory: ``() -> torch.Generator`` for the next round's draws (one per branch).
         b: number of roots (1: chain). verdict: the in-flight block's response task.
         interruptible: IPDG (stop at the first check after the verdict) or NPDG.
+        early: FSD: resolves to the block's EarlyVerdict (never, when the cloud sends
+            none). guess: start from IPDG's guessed roots (False: only from ``early``).
     Returns None when no branch could be started.
     """
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
-    roots = await loop.run_in_executor(executor, guess_roots, drafters[0], assumed, cfg, b)
-    if not roots:
+    res = ProactiveResult([], plan)
+    if guess:
+        roots = await loop.run_in_executor(executor, guess_roots, drafters[0], assumed,
+                                           cfg, b)
+        res.branches = [Branch(drafters[i % len(drafters)], list(assumed) + [r],
+                               gen_factory(), r) for i, r in enumerate(roots)]
+    if not res.branches and early is None:
         return None
-    res = ProactiveResult([Branch(drafters[i % len(drafters)], list(assumed) + [r],
-                                  gen_factory(), r) for i, r in enumerate(roots)], plan)
 
     def step() -> float:
         s0 = time.perf_counter()
-        for br in res.branches:
+        grow = [br for br in res.branches if not br.dead and len(br.tokens) < plan]
+        for br in grow:
             br.expand(cfg)
         dt = time.perf_counter() - s0
-        for br in res.branches:
+        for br in grow:
             br.draft_s += dt
         return dt
 
-    while res.steps < plan and not all(br.dead for br in res.branches):
+    while True:
+        if (early is not None and res.early is None and early.done()
+                and not verdict.done()):
+            res.apply_early(early.result(), assumed, len(assumed) if base_len is None
+                            else base_len, drafters[0], gen_factory())
+        if not any(not br.dead and len(br.tokens) < plan for br in res.branches):
+            if verdict.done() or early is None or res.early is not None:
+                break
+            await asyncio.wait({verdict, early}, return_when=asyncio.FIRST_COMPLETED)
+            continue                     # an early verdict, or the final one
         if verdict.done():
             if interruptible:
                 break                    # mismatch or not: the gate closes; reconcile
@@ -176,6 +231,8 @@ async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int
         res.steps += 1
     res.t_ready = time.perf_counter()
     res.step_s = res.t_ready - t0
+    if not res.branches and res.early is None and not guess:
+        return None
     return res
 
 
@@ -199,33 +256,39 @@ class Lookahead:
         return kept
 
     async def speculate(self, executor, assumed: list[int], plan: int, cfg: SamplingConfig,
-                        gen_factory, verdict: asyncio.Future) -> ProactiveResult | None:
+                        gen_factory, verdict: asyncio.Future,
+                        early: asyncio.Future | None = None,
+                        base_len: int | None = None) -> ProactiveResult | None:
         """:func:`run_proactive` on the request's drafters (forks made as needed).
         Best effort: a failure drops the branch (None; the verdict is still used)."""
-        b = self.roots
+        b = self.roots if self.mode != "fsd" else 1
         while len(self.forks) < b - 1:
             self.forks.append(self.drafter.fork())
         try:
             return await run_proactive([self.drafter] + self.forks[:b - 1], executor,
                                        assumed, plan, cfg, gen_factory, b, verdict,
-                                       interruptible=self.mode == "ipdg")
+                                       interruptible=self.mode != "npdg", early=early,
+                                       base_len=base_len, guess=self.mode != "fsd")
         except Exception:  # noqa: BLE001 - proactive drafting is an optimisation only
             return None
 
-    def settle(self, pro: ProactiveResult | None, hit_root: int | None, done: bool,
-               m) -> int:
+    def settle(self, pro: ProactiveResult | None, confirmed: Sequence[int] | None,
+               done: bool, m) -> int:
         """Reconcile the proactive phase with the verdict; returns discarded tokens.
 
-        ``hit_root``: the bonus token when every draft was accepted, else None (a miss:
-        every branch is dropped and the next ``sync`` rolls the caches back). A kept
-        branch is discarded too when the request is ``done``. ``m``: the request's
-        RequestMetrics (proactive counters)."""
+        ``confirmed``: the confirmed prefix after the verdict; the branch drafted on
+        exactly that prefix is kept (none: a miss, every branch is dropped and the next
+        ``sync`` rolls the caches back). A kept branch is discarded too when the
+        request is ``done``. ``m``: the request's RequestMetrics (proactive counters)."""
         if pro is None:
             return 0
         m.proactive_rounds += 1
         m.proactive_drafted_tokens += pro.drafted()
         m.proactive_late_steps += pro.late_steps
-        kept, dropped = pro.settle(hit_root)
+        kept, dropped = pro.settle(confirmed)
+        if pro.early is not None:
+            m.early_redirects += pro.redirected
+            m.early_redirect_hits += kept is not None and pro.redirected
         m.proactive_wasted_tokens += dropped
         if kept is not None and not done:
             m.proactive_hits += 1

@@ -117,6 +117,8 @@ def trace_record(index: int, out: Outcome, planned: int, proactive: bool,
         "proactive_block": proactive, "t_send": times.sent - t_start,
         "t_response": times.response - t_start,
         "t_ready": None if pro is None else pro.t_ready - t_start,
+        "t_early": None if pro is None or pro.t_early is None else pro.t_early - t_start,
+        "early_redirect": None if pro is None else pro.redirected,
         "proactive_steps": None if pro is None else pro.steps,
         "proactive_plan": None if pro is None else pro.plan,
         "hit": None if pro is None else hit}

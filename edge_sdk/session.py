@@ -80,8 +80,9 @@ class RemoteSession:
         self.seq, self.pending = 0, None
         self.path: str | None = None          # /v1/sessions/{sid} once created
 
-    async def call(self, method: str, path: str, body: bytes = b"") -> bytes:
-        data, _ = await self.transport.request(method, path, body, MSGPACK)
+    async def call(self, method: str, path: str, body: bytes = b"", on_early=None) -> bytes:
+        kw = {} if on_early is None else {"on_early": on_early}    # FSD transports only
+        data, _ = await self.transport.request(method, path, body, MSGPACK, **kw)
         self.m.uplink_bytes += len(body)
         self.m.downlink_bytes += len(data)
         return data
@@ -143,21 +144,37 @@ class RemoteSession:
                                   int(tokens[-1]) if pending is None else None)
 
     async def verify(self, tokens: list[int], block: DraftBlock | None,
-                     remaining: int) -> wire.VerifyResponse:
+                     remaining: int, on_early=None) -> wire.VerifyResponse:
         """Send block ``seq``; an evicted or expired session (404) is re-created from
         ``tokens`` (the pending correction included; ``remaining`` new tokens at most)
-        and the block resent. Raises RemoteError, RuntimeError (an answer to another
-        block)."""
+        and the block resent. ``on_early(EarlyVerdict)``: FSD's provisional verdict of
+        this block, when the cloud streams one (called at most once). Raises
+        RemoteError, RuntimeError (an answer to another block)."""
+        early = self._early_once(on_early)
         body = self.request(tokens, block).encode(self.vocab)
         try:
-            data = await self.call("POST", self.path + "/verify", body)
+            data = await self.call("POST", self.path + "/verify", body, early)
         except RemoteError as e:
             if e.status != 404:
                 raise
             await self.create(list(tokens), remaining)
             body = self.request(tokens, block).encode(self.vocab)
-            data = await self.call("POST", self.path + "/verify", body)
+            data = await self.call("POST", self.path + "/verify", body, early)
         return self.decode_verdict(data)
+
+    def _early_once(self, on_early):
+        """``on_early`` filtered to this block's first early verdict (retries repeat
+        it); counts its bytes. None when ``on_early`` is None."""
+        if on_early is None:
+            return None
+        seq, seen = self.seq, []
+
+        def deliver(v: wire.EarlyVerdict) -> None:
+            self.m.downlink_bytes += len(v.encode())
+            if v.block_seq == seq and not seen:
+                seen.append(v)
+                on_early(v)
+        return deliver
 
     def decode_verdict(self, data: bytes) -> wire.VerifyResponse:
         resp = wire.VerifyResponse.decode(data)

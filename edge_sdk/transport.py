@@ -10,6 +10,7 @@ import json
 
 import aiohttp
 
+from edge_sdk.protocol import wire
 from edge_sdk.retry import RETRYABLE_STATUSES, backoff_delay
 
 MSGPACK = "application/x-msgpack"
@@ -74,8 +75,13 @@ class Transport:
         return backoff_delay(headers or {}, attempt, base_s=self.backoff_s)
 
     async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: str = MSGPACK) -> tuple[bytes, str]:
+                      content_type: str = MSGPACK, on_early=None) -> tuple[bytes, str]:
         """Send one request; returns (body bytes, content type).
+
+        With ``on_early`` (FSD; verify requests only) the request asks for a streamed
+        answer (``wire.STREAM_SEQ``): ``on_early(EarlyVerdict)`` is called as soon as
+        the early verdict arrives (again on a retry: make it idempotent) and the
+        final verdict's bytes are returned (a stream-error item raises RemoteError).
 
         Raises:
             RemoteError: a 4xx/5xx answer (after retries for 429, 502-504).
@@ -87,24 +93,31 @@ class Transport:
         http = await self._http()
         for attempt in range(self.retries + 1):
             headers = {"content-type": content_type} if body else {}
+            if on_early is not None:
+                headers["accept"] = f"{wire.STREAM_SEQ}, {MSGPACK}"
             if self.signer is not None:
                 headers.update(self.signer.headers(method, path, body))
             try:
                 async with http.request(method, self.base_url + path, data=body or None,
                                         headers=headers) as r:
-                    data = await r.read()
                     self.uplink_bytes += len(body)
-                    self.downlink_bytes += len(data)
-                    if r.status < 400:
-                        return data, r.content_type
-                    if r.status in RETRYABLE_STATUSES and attempt < self.retries:
+                    status, data = r.status, None
+                    if r.status < 400 and r.content_type == wire.STREAM_SEQ:
+                        status, data = await self._read_stream(r, on_early)
+                    if data is None:
+                        data = await r.read()
+                        self.downlink_bytes += len(data)
+                    if status < 400:
+                        return data, MSGPACK if r.content_type == wire.STREAM_SEQ else \
+                            r.content_type
+                    if status in RETRYABLE_STATUSES and attempt < self.retries:
                         await asyncio.sleep(self._delay(attempt, r.headers))
                         continue
                     try:
                         parsed = json.loads(data)
                     except ValueError:
                         parsed = None
-                    raise RemoteError(r.status, parsed, data[:200].decode("utf8", "replace"))
+                    raise RemoteError(status, parsed, data[:200].decode("utf8", "replace"))
             except aiohttp.ClientSSLError as e:
                 raise TLSVerifyError(
                     f"TLS handshake with {self.base_url} failed ({_reason(e)}): trust the "
@@ -114,6 +127,28 @@ class Transport:
                     raise
                 await asyncio.sleep(self._delay(attempt, None))
         raise AssertionError("unreachable")
+
+
+    async def _read_stream(self, r: aiohttp.ClientResponse, on_early) -> tuple[int, bytes]:
+        """Read a streamed verify answer: early verdicts go to ``on_early``; returns
+        ``(200, final verdict bytes)`` or ``(status, JSON error bytes)`` for a
+        stream-error item. Raises ClientPayloadError for a stream that ends without
+        its final item (a connection cut after the early verdict: retried)."""
+        reader = wire.StreamReader()
+        try:
+            async for chunk in r.content.iter_any():
+                self.downlink_bytes += len(chunk)
+                for item in reader.feed(chunk):
+                    if isinstance(item, wire.EarlyVerdict):
+                        if on_early is not None:
+                            on_early(item)
+                    elif isinstance(item, wire.VerifyResponse):
+                        return 200, item.encode()
+                    else:
+                        return item[0], json.dumps({"error": item[1]}).encode()
+        except wire.WireError as e:
+            raise aiohttp.ClientPayloadError(f"bad streamed answer: {e}") from None
+        raise aiohttp.ClientPayloadError("streamed answer ended before its final verdict")
 
 
 def _reason(e: BaseException) -> str:

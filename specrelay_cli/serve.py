@@ -95,8 +95,14 @@ def _tls_context(tls_cert: str | None, tls_key: str | None):
                    "port (which then answers 404 for /metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Interface of --metrics-port.")
+@click.option("--early-exit", default="auto", show_default=True, metavar="off|auto|fit|LAYER",
+              help="FSD early verdicts (streamed to clients that ask, before the final "
+              "one): auto = the preset's calibrated exit layer if its fitted head is cached "
+              "(specrelay fsd calibrate), else off; fit = fit it now if missing (about a "
+              "minute); LAYER = that decoder layer.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
-          insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host):
+          insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host,
+          early_exit):
     """Serve the signed verification API for a target model.
 
     \b
@@ -118,21 +124,27 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     from aiohttp import web
 
     from cloud_api.app import create_app
+    from cloud_api.early_exit import early_head_for
     from edge_sdk.models import load_model, resolve_dtype
 
     store, auth = None, "NONE (--insecure-no-auth: requests are not authenticated)"
     if not insecure_no_auth:
         store, auth = _open_key_store(keys_db)
     ssl_ctx = _tls_context(tls_cert, tls_key)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     target, tok = load_model(model, dtype=dtype, threads=threads)
+    try:
+        head = early_head_for(target, tok, early_exit, model)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--early-exit") from None
     metrics_address = None if metrics_port is None else (metrics_host, metrics_port)
     app = create_app(target, tok, key_store=store, max_batch=max_batch,
                      max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
-                     unauth_per_window=unauth_rpm or None)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+                     unauth_per_window=unauth_rpm or None, early_head=head)
     scheme = "https" if ssl_ctx else "http"
     click.echo(f"serving {model} ({resolve_dtype(dtype)}) on {scheme}://{host}:{port}; "
-               f"auth: {auth}" + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
+               f"auth: {auth}" + (f"; early exit: layer {head.layer} ({head.name})" if head
+                                  else "") + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
                                   if metrics_port else ""), err=True)
     # our structured access log replaces aiohttp's (which would log user agents etc.)
     web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30,

@@ -1,5 +1,6 @@
 """Adaptive drafting: depth controllers (CAAC from RAPID, UCB-SpecStop, transformers'
-heuristic), proactive drafting (RAPID's IPDG; NPDG as the non-interruptible baseline),
+heuristic), proactive drafting (RAPID's IPDG; NPDG as the non-interruptible baseline;
+FSD's pre-drafting from the cloud's early verdict),
 fixed depths (the candidates for ``best-fixed``) and prompt-lookup n-gram drafts. All
 use the compact protocol through :class:`~bench.modes.edge_rounds.EdgeClientMode`.
 """
@@ -24,7 +25,8 @@ class _AdaptiveMode(EdgeClientMode):
 def _adaptive_mode(name: str, description: str, baseline: bool = False, **attrs) -> type:
     """Register an :class:`_AdaptiveMode` subclass (``attrs``: ``client_kw``,
     ``fixed_depth``, ``ngram``)."""
-    cls_name = "".join(p.capitalize() for p in name.replace("-", " ").split()) + "Mode"
+    cls_name = "".join(p.capitalize() for p in name.replace("-", " ").replace("+", " ")
+                       .split()) + "Mode"
     return register_mode(type(cls_name, (_AdaptiveMode,), {
         "name": name, "description": description, "baseline": baseline,
         "__doc__": description, **attrs}))
@@ -43,6 +45,12 @@ ADAPTIVE_MODES = [
                    "baseline)", client_kw={"controller": "caac", "proactive": "npdg"}),
     _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
                    "proactive drafting)", client_kw={"proactive": "ipdg"}),
+    _adaptive_mode("fsd", "specrelay, fixed depth --depth + FSD (pre-drafting from the "
+                   "cloud's streamed early-exit verdict)", client_kw={"proactive": "fsd"},
+                   early_exit=True),
+    _adaptive_mode("fsd+ipdg", "specrelay, fixed depth --depth + IPDG whose guesses the "
+                   "cloud's early-exit verdict prunes or redirects (FSD)",
+                   client_kw={"proactive": "fsd+ipdg"}, early_exit=True),
     _adaptive_mode("npdg", "baseline: fixed depth --depth + NPDG (proactive drafting that "
                    "runs to its planned depth whatever the verdict)", baseline=True,
                    client_kw={"proactive": "npdg"}),

@@ -100,6 +100,7 @@ class BenchMode(ABC):
     description: ClassVar[str] = ""
     needs_drafter: ClassVar[bool] = True
     baseline: ClassVar[bool] = False
+    early_exit: ClassVar[bool] = False      # needs the cloud's early verdicts (FSD)
 
     def __init__(self, ctx: EdgeContext):
         self.ctx = ctx

@@ -60,6 +60,8 @@ per-request ratios:
 * ``wasted_draft_tokens`` = Σ wasted (count over the run)
 * ``near_tie_tokens`` = Σ greedy tokens the target chose at a near-tie (count)
 * ``proactive_hit_rate`` = Σ proactive_hits / Σ proactive_attempts
+* ``early_verdict_hit_rate`` = Σ early_hits / Σ early_verdicts (FSD: early verdicts
+  that predicted the final one; None without early verdicts)
 * ``correction_mode_counts`` = per-stage sums
 * ``tv_budget_spent`` = mean per request of the TV budget charged
   (``tv_budget_spent_max`` = the largest)
@@ -91,6 +93,7 @@ SCALAR_METRICS = (
     "target_seconds_per_token",
     "wasted_draft_tokens",
     "proactive_hit_rate",
+    "early_verdict_hit_rate",
     "tv_budget_spent",
 )
 """Shared metrics that are a number (or ``null`` when not applicable)."""
@@ -205,6 +208,7 @@ def aggregate(per_request_metrics: Sequence[dict]) -> dict:
         "wasted_draft_tokens": _wasted(reqs),
         "near_tie_tokens": int(tot("near_tie_tokens")),
         "proactive_hit_rate": _div(tot("proactive_hits"), tot("proactive_attempts")),
+        "early_verdict_hit_rate": _div(tot("early_hits"), tot("early_verdicts")),
         "correction_mode_counts": corrections,
         "tv_budget_spent": float(np.mean(tv)),
         "tv_budget_spent_max": max(tv),

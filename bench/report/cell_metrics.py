@@ -35,7 +35,8 @@ from typing import Sequence
 
 from bench.report.aggregation import aggregate
 
-__all__ = ["request_totals", "proactive_timing", "depth_summary", "proactive_totals",
+__all__ = ["request_totals", "proactive_timing", "early_timing", "depth_summary",
+           "proactive_totals",
            "concurrent_metrics"]
 
 
@@ -98,7 +99,27 @@ def proactive_totals(per_request: Sequence[dict]) -> dict:
     and ``proactive_drafted_tokens`` (0 where a request has none)."""
     return {k: sum(p.get(k, 0) or 0 for p in per_request)
             for k in ("proactive_late_steps", "proactive_wasted_tokens",
-                      "proactive_drafted_tokens")}
+                      "proactive_drafted_tokens", "early_verdicts", "early_hits",
+                      "early_redirects", "early_redirect_hits")}
+
+
+def early_timing(per_request: Sequence[dict]) -> dict:
+    """FSD timing of one run from its requests' ``round_trace`` (seconds; rounds whose
+    early verdict arrived before the final one): ``early_rounds``,
+    ``early_lead_s`` (median of ``t_response - t_early``: how far ahead of the final
+    verdict the edge could start drafting) and ``early_ready_minus_response_s``
+    (median of ``t_ready - t_response`` over those rounds). Empty without any."""
+    lead, ready = [], []
+    for m in per_request:
+        for r in m.get("round_trace") or ():
+            if r.get("t_early") is not None and r.get("t_response") is not None:
+                lead.append(r["t_response"] - r["t_early"])
+                if r.get("t_ready") is not None:
+                    ready.append(r["t_ready"] - r["t_response"])
+    if not lead:
+        return {}
+    return {"early_rounds": len(lead), "early_lead_s": statistics.median(lead),
+            "early_ready_minus_response_s": statistics.median(ready) if ready else None}
 
 
 def concurrent_metrics(m: dict, per_request: Sequence[dict], *, concurrency: int,
