@@ -29,12 +29,35 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _kill_between_items(target, svc, n: int) -> None:
+    """Slow the pass after its exit layer (0.4 s) and die 0.1 s after the ``n``-th early
+    verdict left: the client has the early item, never the final one."""
+    import asyncio
+    import time
+
+    target.model.layers[-1].register_forward_hook(lambda *a: time.sleep(0.4))
+    seen = {"n": 0}
+    verify = svc.verify
+
+    async def verify_and_die(*args, on_early=None, **kw):
+        def early(b):
+            on_early(b)
+            seen["n"] += 1
+            if seen["n"] == n:
+                asyncio.get_running_loop().call_later(0.1, _kill)
+        return await verify(*args, on_early=None if on_early is None else early, **kw)
+    svc.verify = verify_and_die
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("port", type=int)
     p.add_argument("--kill-after-pass", type=int, default=0)
     p.add_argument("--kill-in-batch", action="store_true")
     p.add_argument("--max-wait-ms", type=float, default=30.0)
+    p.add_argument("--kill-after-early", type=int, default=0,
+                   help="FSD: die between the two items of the N-th streamed verify "
+                        "(its early verdict sent, its final verdict not)")
     a = p.parse_args()
 
     import torch
@@ -67,9 +90,14 @@ def main() -> None:
                 _kill()                    # the pass ran; the response never leaves
         return resp
 
+    from cloud_api.early_exit import untrained_head
+
     app = create_app(target, tok, middlewares=[kill_after_pass], max_batch=8,
-                     max_wait_s=a.max_wait_ms / 1000)
-    app[SERVICE].eos = []            # every request runs to its length cap
+                     max_wait_s=a.max_wait_ms / 1000, early_head=untrained_head(target, 1))
+    svc = app[SERVICE]
+    svc.eos = []                     # every request runs to its length cap
+    if a.kill_after_early:
+        _kill_between_items(target, svc, a.kill_after_early)
 
     async def serve():
         runner = web.AppRunner(app)

@@ -2,7 +2,8 @@
 a round (after the target pass, before the response is written) and during a batched
 pass, then restarted empty; every session resumes from its confirmed prefix and the
 output equals the fault-free run's (greedy: the same tokens; seeded sampling: the same
-draws), in stop-and-wait, proactive (IPDG) and send-ahead modes. The server is a real
+draws), in stop-and-wait, proactive (IPDG), send-ahead and FSD modes (killed between
+the early and the final verdict of a streamed answer). The server is a real
 process (``tests/crash_server.py``) on the suite's tiny random target."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ([4, 5, 6], [9, 3, 7, 2])
 N = 40
 MODES = {"stop-and-wait": {}, "ipdg": {"proactive": "ipdg"},
-         "send-ahead": {"proactive": "ipdg", "send_ahead": True}}
+         "send-ahead": {"proactive": "ipdg", "send_ahead": True},
+         "fsd": {"proactive": "fsd+ipdg"}}
 SAMPLING = {"greedy": (SamplingConfig(), 0), "sampled": (SamplingConfig(temperature=0.8), 7)}
 
 
@@ -95,6 +97,20 @@ def test_kill_after_the_pass_before_the_response(target, draft, tok, sampling, m
     ref = _reference(target, draft, tok, jobs)
     got, rc = _with_crash(draft, tok, jobs, "--kill-after-pass", "3")
     assert rc == -9                                      # it was killed, as planned
+    assert got[0].token_ids == ref[0].token_ids and len(got[0].token_ids) == N
+    assert got[0].all_verified
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_kill_between_the_early_and_the_final_verdict(target, draft, tok, sampling):
+    """FSD: the server dies after streaming a block's early verdict, before its final
+    one; the restarted server never saw the session: the client re-creates it from its
+    confirmed prefix (nothing was committed from the early verdict) and the output is
+    the fault-free run's."""
+    jobs = [(PROMPTS[0], sampling, "fsd")]
+    ref = _reference(target, draft, tok, jobs)
+    got, rc = _with_crash(draft, tok, jobs, "--kill-after-early", "3")
+    assert rc == -9
     assert got[0].token_ids == ref[0].token_ids and len(got[0].token_ids) == N
     assert got[0].all_verified
 
