@@ -47,6 +47,10 @@ class ApiMetrics:
                                       "Target compute time (s)", registry=r)
         self.batch_size = Histogram("specrelay_batch_size", "Blocks per verification batch",
                                     registry=r, buckets=(1, 2, 4, 8, 16, 32))
+        self.early_verdicts = Counter(
+            "specrelay_early_verdicts_total", "FSD early verdicts streamed, by whether the "
+            "final verdict matched them (early_verdict_hit_rate = hit / all)", ["outcome"],
+            registry=r)
         self.sessions = Gauge("specrelay_sessions", "Open sessions", registry=r)
         self.evictions = Gauge("specrelay_session_evictions", "Sessions evicted (TTL/limit)",
                                registry=r)

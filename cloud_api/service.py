@@ -40,6 +40,9 @@ class CloudService:
                  metrics=None, early_head=None):
         self.model, self.tokenizer = model, tokenizer
         self.verifier = Verifier(model, max_block, early_head)
+        if metrics is not None:
+            self.verifier.on_early_outcome = (
+                lambda hit: metrics.early_verdicts.labels("hit" if hit else "miss").inc())
         self.sessions = SessionStore(session_ttl_s, max_sessions, max_sessions_per_key,
                                      kv_budget_bytes, kv_bytes_per_token(model))
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")

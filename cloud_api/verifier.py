@@ -52,6 +52,7 @@ class Verifier:
         self.near_ties = 0          # committed greedy tokens chosen at a near-tie
         self.early_head = early_head
         self.early_frames = self.early_hits = 0
+        self.on_early_outcome = None    # (hit: bool) -> None, e.g. a Prometheus counter
         self._early = None          # (pass start, rows wanting an early verdict)
         self._provisional: dict[int, tuple] = {}    # id(request) -> (accepted, next)
         if early_head is not None:
@@ -134,8 +135,11 @@ class Verifier:
         prov = self._provisional.pop(id(req), None)
         if prov is None or not isinstance(res, VerifyResponse):
             return
+        hit = prov == (res.accepted, res.next_token)
         self.early_frames += 1
-        self.early_hits += prov == (res.accepted, res.next_token)
+        self.early_hits += hit
+        if self.on_early_outcome is not None:
+            self.on_early_outcome(hit)
 
     def verify(self, s: Session, req: VerifyRequest) -> VerifyResponse:
         """Verify one block (a batch of one). Raises ApiError."""

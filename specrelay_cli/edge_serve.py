@@ -39,7 +39,7 @@ def _check_options(url: str, host: str, port: int, proactive: str) -> None:
     ctx = click.get_current_context()
     if proactive == "off" and ctx.get_parameter_source("send_ahead") in (
             ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-        raise click.UsageError("--send-ahead needs --proactive ipdg or npdg")
+        raise click.UsageError("--send-ahead needs --proactive ipdg, npdg, fsd or fsd+ipdg")
 
 
 def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
@@ -78,12 +78,13 @@ def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
               default="wait", show_default=True,
               help="wait: retry until the cloud is back (never unverified tokens); "
                    "draft_only: continue with the draft, tokens flagged verified=false.")
-@click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
+@click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg", "fsd", "fsd+ipdg"]),
               default="ipdg", show_default=True,
-              help="Draft the next block while one is verified (off: stop-and-wait).")
+              help="Draft the next block while one is verified (off: stop-and-wait; "
+                   "fsd, fsd+ipdg: from the cloud's early verdict).")
 @click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
               help="Send a proactive block before the previous verdict (pipelined "
-                   "verification; needs --proactive ipdg|npdg).")
+                   "verification; needs --proactive other than off).")
 @click.option("--ca-cert", type=click.Path(exists=True, dir_okay=False), default=None,
               help="CA certificate to trust for an https:// cloud URL.")
 @click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=10.0,

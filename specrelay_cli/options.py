@@ -73,14 +73,15 @@ SAMPLING_OPTIONS = [
                                                    "ucb-specstop"]),
                  default="fixed", show_default=True,
                  help="Draft-depth policy (RAPID; UCB-SpecStop); fixed uses --depth."),
-    click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg"]),
+    click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg", "fsd", "fsd+ipdg"]),
                  default="ipdg", show_default=True, help="Draft the next block while "
                  "one is verified (RAPID): ipdg interruptible, npdg not, off: "
-                 "stop-and-wait."),
+                 "stop-and-wait; fsd: from the early verdict the server streams (FSD; a "
+                 "server with --early-exit), fsd+ipdg: IPDG steered by it."),
     click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,
                  help="Pipelined verification: send a proactive block before the "
                  "previous verdict (the cloud verifies it only if its assumed prefix "
-                 "is confirmed). Needs --proactive ipdg|npdg."),
+                 "is confirmed). Needs --proactive other than off."),
     click.option("--proactive-roots", type=click.IntRange(1, MAX_DRAFT_TOKENS),
                  default=1, show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
     click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
