@@ -34,11 +34,12 @@ FSD (the FSD review, §III): the cloud streams an *early verdict* (accepted draf
 the next token, read at an early exit of the target) before the final one. On it the
 edge keeps the branch whose prefix is the provisional prefix (confirmed + accepted
 drafts + provisional next token) and drops the others, or, when no branch has that
-prefix (a block predicted to be rejected mid-way: IPDG's guess is wrong), starts a
-branch from it. ``fsd`` drafts only from early verdicts; ``fsd+ipdg`` starts with
-IPDG's guesses and lets the early verdict prune or redirect them. A branch is kept
-only if its prefix is the *final* confirmed prefix, so the early verdict never
-decides anything: a wrong one only wastes draft work.
+prefix (a block predicted to be rejected mid-way, or a bonus IPDG did not guess),
+starts a branch from it beside IPDG's (an early exit is a weaker predictor than its
+name suggests: it does not overrule the draft's guess). ``fsd`` drafts only from
+early verdicts; ``fsd+ipdg`` starts with IPDG's guesses. A branch is kept only if its
+prefix is the *final* confirmed prefix, so the early verdict never decides anything:
+a wrong one only wastes draft work.
 
 Exactness: every branch samples through ``Drafter.propose`` (the shared processors)
 with the generator of the round it would be drafted in (``edge_sdk.protocol.rng``,
@@ -153,23 +154,29 @@ class ProactiveResult:
                 next((b for b in self.branches if b.prefix == list(confirmed)), None))
         return kept, self.drafted() - (len(kept.tokens) if kept else 0)
 
-    def apply_early(self, ev, assumed: Sequence[int], base_len: int, drafter: Drafter,
-                    gen: torch.Generator) -> None:
-        """FSD: keep the branches on the provisional prefix of early verdict ``ev``
-        (``assumed[:base_len]`` confirmed, ``assumed[base_len:]`` the block in flight);
-        start one on ``drafter`` with ``gen`` when none is (a provisional rejection
-        mid-block, or a bonus IPDG did not guess). A sampled rejection (no next token)
-        only drops the branches."""
+    def apply_early(self, ev, assumed: Sequence[int], base_len: int,
+                    drafters: Sequence[Drafter], gen: torch.Generator) -> None:
+        """FSD: steer the branches by early verdict ``ev`` (``assumed[:base_len]``
+        confirmed, ``assumed[base_len:]`` the block in flight). A branch on the
+        provisional prefix is kept alone (the draft's guess and the target's early
+        exit agree); otherwise a branch on the provisional prefix starts beside the
+        others (roots = the early-exit token + the draft's guesses), on a drafter no
+        kept branch uses, with ``gen``. A sampled rejection (no next token) changes
+        nothing (its correction is drawn on the edge from the final distribution)."""
         self.early, self.t_early = ev, time.perf_counter()
         g = len(assumed) - base_len
-        prov = (None if ev.next_token is None or ev.accepted > g else
-                list(assumed[:base_len + ev.accepted]) + [int(ev.next_token)])
-        keep = [b for b in self.branches if prov is not None and b.prefix == prov]
-        self.discarded += sum(len(b.tokens) for b in self.branches if b not in keep)
-        self.branches = keep
-        if prov is not None and not keep:
-            self.branches = [Branch(drafter, prov, gen, prov[-1])]
-            self.redirected = True
+        if ev.next_token is None or ev.accepted > g:
+            return
+        prov = list(assumed[:base_len + ev.accepted]) + [int(ev.next_token)]
+        match = [b for b in self.branches if b.prefix == prov]
+        if match:
+            self.discarded += sum(len(b.tokens) for b in self.branches if b not in match)
+            self.branches = match
+            return
+        busy = {id(b.drafter) for b in self.branches}
+        free = next((d for d in drafters if id(d) not in busy), drafters[0])
+        self.branches.append(Branch(free, prov, gen, prov[-1]))
+        self.redirected = True
 
 
 async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int],
@@ -198,8 +205,8 @@ async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int
     if guess:
         roots = await loop.run_in_executor(executor, guess_roots, drafters[0], assumed,
                                            cfg, b)
-        res.branches = [Branch(drafters[i % len(drafters)], list(assumed) + [r],
-                               gen_factory(), r) for i, r in enumerate(roots)]
+        res.branches = [Branch(drafters[i % b], list(assumed) + [r], gen_factory(), r)
+                        for i, r in enumerate(roots)]
     if not res.branches and early is None:
         return None
 
@@ -217,7 +224,7 @@ async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int
         if (early is not None and res.early is None and early.done()
                 and not verdict.done()):
             res.apply_early(early.result(), assumed, len(assumed) if base_len is None
-                            else base_len, drafters[0], gen_factory())
+                            else base_len, drafters, gen_factory())
         if not any(not br.dead and len(br.tokens) < plan for br in res.branches):
             if verdict.done() or early is None or res.early is not None:
                 break
@@ -262,10 +269,11 @@ class Lookahead:
         """:func:`run_proactive` on the request's drafters (forks made as needed).
         Best effort: a failure drops the branch (None; the verdict is still used)."""
         b = self.roots if self.mode != "fsd" else 1
-        while len(self.forks) < b - 1:
+        n = b + (self.mode == "fsd+ipdg")          # + a drafter for the early branch
+        while len(self.forks) < n - 1:
             self.forks.append(self.drafter.fork())
         try:
-            return await run_proactive([self.drafter] + self.forks[:b - 1], executor,
+            return await run_proactive([self.drafter] + self.forks[:n - 1], executor,
                                        assumed, plan, cfg, gen_factory, b, verdict,
                                        interruptible=self.mode != "npdg", early=early,
                                        base_len=base_len, guess=self.mode != "fsd")
