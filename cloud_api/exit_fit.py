@@ -37,7 +37,7 @@ __all__ = ["collect_hidden", "fit_translator", "calibration_text", "heldout_prom
 log = logging.getLogger("cloud_api")
 
 EARLY_EXIT_DEFAULTS: dict[str, dict] = {
-    "qwen2.5-coder-1.5b": {"layer": 24, "vocab": 32768, "accept_topk": 1},
+    "qwen2.5-coder-1.5b": {"layer": 24, "vocab": 32768, "accept_topk": 4},
 }
 """Preset -> the exit ``layer``, restricted ``vocab`` K and provisional ``accept_topk``
 chosen by ``specrelay fsd calibrate`` (docs/figures/fsd_calibration/)."""
