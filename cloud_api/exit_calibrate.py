@@ -19,13 +19,16 @@ from typing import Sequence
 
 import torch
 
-from cloud_api.early_exit import ExitHead, decoder_layers
+from cloud_api.early_exit import ExitHead, decoder_layers, restricted_vocab
 
 __all__ = ["provisional", "final_verdict", "calibrate", "select", "plot", "RULES"]
 
 RULES = (1, 2, 4)
 """Provisional rules: a draft token is provisionally accepted when it ranks among the
 top-k early logits."""
+
+COVERAGE_K = (8192, 16384, 32768, 65536, 100000)
+"""Restricted vocabulary sizes whose coverage of the final next tokens is reported."""
 
 
 def provisional(early: torch.Tensor, block: Sequence[int], k: int) -> tuple[int, int]:
@@ -80,17 +83,18 @@ def _draft_block(kv, context: list[int], depth: int) -> list[int]:
 
 def _rounds(target, draft, prompt: list[int], depth: int, max_new: int, cap: _Capture,
             eos: set[int]):
-    """Greedy speculative rounds: yields ``(block, logits [g+1, V], t_pass_s, first)``
-    after each verify pass, ``cap.h`` holding that pass's hidden rows."""
+    """Greedy speculative rounds: yields ``(block, logits [g+1, V], t_pass_s, first,
+    t_draft_s)`` after each verify pass, ``cap.h`` holding that pass's hidden rows."""
     from edge_sdk.kvmodel import KVModel
 
     tk, dk, ctx, new = KVModel(target), KVModel(draft), list(prompt), 0
     while new < max_new:
+        t0 = time.perf_counter()
         block = _draft_block(dk, ctx, min(depth, max_new - new))
         cap.rows = len(block) + 1
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         logits = tk.sync(ctx, block)
-        yield block, logits, time.perf_counter() - t0, new == 0
+        yield block, logits, time.perf_counter() - t1, new == 0, t1 - t0
         a, n = final_verdict(logits, block)
         got = block[:a] + [n]
         ctx += got
@@ -105,8 +109,9 @@ def _timed(head: ExitHead, h: torch.Tensor) -> tuple[torch.Tensor, float]:
     return out, time.perf_counter() - t0
 
 
-def _score_round(heads, cap, block, logits, t_pass, first, rules, acc, workload) -> None:
-    """Adds one round to the accumulators ``acc`` (see :func:`calibrate`)."""
+def _score_round(heads, cap, rnd, rules, acc, workload) -> None:
+    """Adds one round ``rnd`` (as :func:`_rounds` yields it) to the accumulators."""
+    block, logits, t_pass, first, t_draft = rnd
     a, n = final_verdict(logits, block)
     final_top = logits.argmax(-1)
     for kind, by_layer in heads.items():
@@ -128,10 +133,12 @@ def _score_round(heads, cap, block, logits, t_pass, first, rules, acc, workload)
     acc["row_tokens"].extend(final_top.tolist())
     if not first:
         acc["pass"].append(t_pass)
+        acc["draft"].append(t_draft)
 
 
 def _new_acc() -> dict:
     return {"cost": defaultdict(list), "top1": defaultdict(int), "pass": [], "next": [],
+            "draft": [],
             "rule": defaultdict(lambda: defaultdict(int)), "rounds": defaultdict(int),
             "rows": 0, "accepted": 0, "row_tokens": []}
 
@@ -158,39 +165,43 @@ def calibrate(target, draft, prompts: Sequence[tuple[str, list[int]]],
         ``accept_agree``, ``top1`` agreement over all verified rows, ``cost_pct`` (median
         exit time / pass time, in % of the pass, prefill passes excluded), ``score``,
         per-workload hit rates), ``coverage`` (share of the final next tokens, and of
-        all rows' greedy tokens, inside the restricted vocabulary), ``rounds``,
-        ``pass_ms`` (median), ``mean_accepted`` and ``chosen`` (:func:`select`).
+        all rows' greedy tokens, inside the restricted vocabulary; ``next_by_k``: the
+        first share for other vocabulary sizes), ``rounds``, ``pass_ms`` and
+        ``draft_ms`` (medians per round, prefill excluded), ``mean_accepted``, ``loop_s``
+        and ``chosen`` (:func:`select`).
     Raises ValueError without prompts or heads.
     """
     if not prompts or not any(heads.values()):
         raise ValueError("calibrate needs prompts and at least one exit head")
     layers = sorted({l for by in heads.values() for l in by})
-    acc, cap = _new_acc(), _Capture(target, layers)
+    acc, cap, t0 = _new_acc(), _Capture(target, layers), time.perf_counter()
     try:
         with torch.inference_mode():
             for workload, ids in prompts:
-                for block, logits, t_pass, first in _rounds(
-                        target, draft, ids, depth, max_new_tokens, cap, set(eos)):
-                    _score_round(heads, cap, block, logits, t_pass, first, rules, acc,
-                                 workload)
+                for rnd in _rounds(target, draft, ids, depth, max_new_tokens, cap,
+                                   set(eos)):
+                    _score_round(heads, cap, rnd, rules, acc, workload)
     finally:
         cap.close()
     report = _report(heads, acc, rules, int(target.config.num_hidden_layers))
     report["chosen"] = select(report["results"], max_cost)
+    report["loop_s"] = round(time.perf_counter() - t0, 1)
     report.update(depth=depth, max_new_tokens=max_new_tokens, max_cost_pct=100 * max_cost)
     return report
 
 
-def _coverage(heads, tokens: list[int]) -> float | None:
-    ids = next((h.vocab_ids for by in heads.values() for h in by.values()), None)
-    if ids is None or not tokens:
-        return None if tokens else 1.0
-    inside = torch.isin(torch.tensor(tokens), ids.cpu())
-    return round(float(inside.float().mean()), 4)
+def _coverage(tokens: list[int], ids: torch.Tensor | None) -> float | None:
+    """Share of ``tokens`` inside ``ids`` (None: the full vocabulary, share 1)."""
+    if not tokens:
+        return None
+    if ids is None:
+        return 1.0
+    return round(float(torch.isin(torch.tensor(tokens), ids.cpu()).float().mean()), 4)
 
 
 def _report(heads, acc, rules, L: int) -> dict:
     rounds = sum(acc["rounds"].values())
+    head = next(h for by in heads.values() for h in by.values())
     rows = []
     for kind, by_layer in heads.items():
         for layer in sorted(by_layer):
@@ -210,9 +221,16 @@ def _report(heads, acc, rules, L: int) -> dict:
     return {"results": rows, "rounds": rounds, "rows": acc["rows"],
             "rounds_by_workload": dict(acc["rounds"]), "num_layers": L,
             "mean_accepted": round(acc["accepted"] / rounds, 3),
-            "pass_ms": round(1000 * statistics.median(acc["pass"]), 1) if acc["pass"] else None,
-            "coverage": {"next_tokens": _coverage(heads, acc["next"]),
-                         "all_rows": _coverage(heads, acc["row_tokens"])}}
+            "pass_ms": _median_ms(acc["pass"]), "draft_ms": _median_ms(acc["draft"]),
+            "coverage": {"next_tokens": _coverage(acc["next"], head.vocab_ids),
+                         "all_rows": _coverage(acc["row_tokens"], head.vocab_ids),
+                         "next_by_k": {k: _coverage(acc["next"],
+                                                    restricted_vocab(head.model, k))
+                                       for k in COVERAGE_K}}}
+
+
+def _median_ms(ts: list[float]) -> float | None:
+    return round(1000 * statistics.median(ts), 1) if ts else None
 
 
 def select(results: Sequence[dict], max_cost: float = 0.05) -> dict | None:
@@ -235,16 +253,17 @@ def plot(report: dict, path) -> None:
     series = defaultdict(list)
     for r in report["results"]:
         series[r["kind"], r["rule"]].append((r["layer"], r["hit_rate"]))
-    for (kind, k), pts in sorted(series.items()):
+    colours = {k: f"C{i}" for i, k in enumerate(sorted({k for _, k in series}))}
+    for (kind, k), pts in sorted(series.items(), key=lambda kv: (kv[0][0] != "tuned", kv[0])):
         xs, ys = zip(*sorted(pts))
-        ax.plot(xs, ys, marker="o", ls="-" if kind == "tuned" else "--",
-                label=f"{kind}, top-{k}")
+        ax.plot(xs, ys, marker="o" if kind == "tuned" else "x", color=colours[k],
+                ls="-" if kind == "tuned" else ":", label=f"{kind}, top-{k}")
     if report.get("chosen"):
         c = report["chosen"]
         ax.axvline(c["layer"], color="grey", lw=0.8)
         ax.annotate(f"chosen: L{c['layer']} {c['kind']} top-{c['rule']}",
-                    (c["layer"], c["hit_rate"]), textcoords="offset points", xytext=(4, -14),
-                    fontsize=8)
+                    (c["layer"], c["hit_rate"]), textcoords="offset points", xytext=(-60, 12),
+                    fontsize=8, bbox={"fc": "white", "ec": "none", "alpha": 0.8})
     ax.set(xlabel=f"exit layer (of {report['num_layers']})",
            ylabel="provisional verdict hit rate", ylim=(0, 1),
            title=f"FSD early exit: {report.get('target', 'target')}")

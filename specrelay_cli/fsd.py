@@ -61,12 +61,15 @@ def calibrate(target, draft, dtype, layers, prompts, depth, max_new_tokens, voca
     tm, tok = load_model(target, dtype=dtype)
     dm, _ = load_model(draft, dtype=dtype)
     vocab = vocab or None
+    t_fit = time.monotonic()
     heads, fit_info = _heads(tm, tok, layers, vocab, refit)
+    t_fit = time.monotonic() - t_fit
     report = run(tm, dm, _prompts(tok, prompts), heads, depth=depth,
                  max_new_tokens=max_new_tokens, max_cost=max_cost / 100,
                  eos=_eos(tm, tok))
     report.update(target=target, draft=draft, dtype=dtype, vocab=vocab, fit=fit_info,
-                  prompts_per_workload=prompts, wall_s=round(time.monotonic() - t0, 1))
+                  prompts_per_workload=prompts, fit_s=round(t_fit, 1),
+                  wall_s=round(time.monotonic() - t0, 1))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -113,15 +116,23 @@ def _eos(tm, tok):
 
 
 def _print(report):
-    click.echo(f"{report['rounds']} rounds ({report['rounds_by_workload']}), "
-               f"mean accepted {report['mean_accepted']}, pass {report['pass_ms']} ms, "
-               f"vocab coverage {report['coverage']}")
+    cov = report["coverage"]
+    click.echo(f"{report['rounds']} rounds ({report['rounds_by_workload']}), mean accepted "
+               f"{report['mean_accepted']}, verify pass {report['pass_ms']} ms, draft block "
+               f"{report['draft_ms']} ms (medians); heads {report['fit_s']} s, rounds "
+               f"{report['loop_s']} s")
+    click.echo(f"final next tokens inside the exit vocabulary: {cov['next_tokens']} "
+               f"(all rows {cov['all_rows']}; by size {cov['next_by_k']})")
     click.echo(f"{'layer':>5} {'kind':>9} {'rule':>4} {'hit':>6} {'a=a':>6} {'top1':>6} "
                f"{'cost%':>6} {'score':>6}  by workload")
     for r in report["results"]:
         click.echo(f"{r['layer']:>5} {r['kind']:>9} {r['rule']:>4} {r['hit_rate']:>6.3f} "
-                   f"{r['accept_agree']:>6.3f} {r['top1']:>6.3f} {r['cost_pct']:>6.2f} "
+                   f"{r['accept_agree']:>6.3f} {r['top1']:>6.3f} {_pct(r['cost_pct']):>6} "
                    f"{r['score']:>6.3f}  {r['hit_by_workload']}")
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def _advise(report, tm, vocab, default):

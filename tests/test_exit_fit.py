@@ -120,7 +120,7 @@ def test_provisional_verdict_rules():
     assert final_verdict(early, []) == (0, 5)
 
 
-def test_calibrate_end_to_end_on_tiny_pair(deep, seqs, tmp_path, cache):
+def test_calibrate_end_to_end_on_tiny_pair(deep, seqs, tmp_path, cache, capsys):
     draft = tiny_model(layers=4, seed=4, like=deep, noise=0.03)
     tuned, _ = fit_exit_heads(deep, None, LAYERS, 48, seqs=seqs, save=False)
     heads = {"untrained": {l: untrained_head(deep, l, 48) for l in LAYERS}, "tuned": tuned}
@@ -133,10 +133,15 @@ def test_calibrate_end_to_end_on_tiny_pair(deep, seqs, tmp_path, cache):
         assert r["cost_pct"] is not None and r["cost_pct"] > 0
         assert set(r["hit_by_workload"]) == {"humaneval", "mtbench"}
         assert r["score"] == pytest.approx(r["hit_rate"] * (4 - r["layer"]) / 4, abs=1e-4)
-    assert 0 <= rep["coverage"]["next_tokens"] <= 1 and rep["pass_ms"] > 0
+    assert 0 <= rep["coverage"]["next_tokens"] <= 1 and rep["pass_ms"] > 0 < rep["draft_ms"]
+    assert rep["coverage"]["next_by_k"][8192] == 1.0      # K >= V: the full vocabulary
     assert rep["chosen"] == select(rep["results"], 1.0) and rep["chosen"] in rep["results"]
     assert select(rep["results"], 0.0) is None        # nothing is free
     json.dumps(rep)
+    from specrelay_cli.fsd import _print
+
+    _print(rep | {"fit_s": 0.0})
+    assert "final next tokens inside the exit vocabulary" in capsys.readouterr().out
     plot(rep | {"target": "tiny"}, tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 1000
     with pytest.raises(ValueError):
