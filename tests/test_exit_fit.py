@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_model
 
-from cloud_api.early_exit import ExitHead, untrained_head
+from cloud_api.early_exit import untrained_head
 from cloud_api.exit_calibrate import calibrate, final_verdict, plot, provisional, select
 from cloud_api.exit_fit import (collect_hidden, fit_exit_heads, fit_translator,
                                 head_agreement, head_path, load_exit_head, model_key)
