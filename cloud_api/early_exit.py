@@ -89,7 +89,7 @@ class ExitHead:
         small = (h @ self._rows.T).float()                             # [T, K]
         if self.vocab_ids is None:
             return small
-        out = torch.full((h.shape[0], self.vocab_size), float("-inf"))
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), device=small.device)
         out[:, self.vocab_ids] = small
         return out
 

@@ -1,4 +1,5 @@
-"""``specrelay`` command line: serve, generate, demo, edge-serve, keys, export, draft, bench.
+"""``specrelay`` command line: serve, generate, demo, edge-serve, keys, export, draft, bench,
+fsd.
 
 The group :data:`main` and its error policy live here; each command lives in its own
 module (``serve``, ``generate`` with ``demo``, ``edge_serve``) or in its package
@@ -18,7 +19,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # no "Loading weigh
 from bench.cli import bench  # noqa: E402
 from cloud_api.keys_cli import keys  # noqa: E402
 from exporters.cli import export  # noqa: E402
-from specrelay_cli import edge_serve, generate, serve  # noqa: E402
+from specrelay_cli import edge_serve, fsd, generate, serve  # noqa: E402
 from specrelay_cli.lazy import LazyGroup  # noqa: E402
 
 __all__ = ["main", "EXTRA_OF_MODULE"]
@@ -126,3 +127,4 @@ main.add_command(edge_serve.edge_serve, "edge-serve")
 main.add_command(keys)
 main.add_command(export)
 main.add_command(bench)
+main.add_command(fsd.fsd)
