@@ -150,4 +150,4 @@ def _advise(report, tm, vocab, default):
     if default and default.get("layer") != c["layer"]:
         click.echo(f"(the built-in default for this target is layer {default['layer']})")
     click.echo("add to `specrelay serve`:")
-    click.echo(f"  --early-exit-layer {c['layer']}")
+    click.echo(f"  --early-exit {c['layer']}")
