@@ -24,7 +24,7 @@ from bench.chaos.faults import fault_matrix
 from bench.chaos.matrix import PIPELINE, ChaosSettings, Server, run_matrix
 from bench.chaos.report import print_table, write_outputs
 
-__all__ = ["PRESETS", "ChaosFailed", "run_chaos", "settings_for"]
+__all__ = ["PRESETS", "ChaosFailed", "run_chaos", "select", "settings_for"]
 
 PRESETS = {"quick": dict(prompts=1, max_new_tokens=12, at=(2,), prompt_tokens=32),
            "full": dict(prompts=3, max_new_tokens=48, at=(2, 5), prompt_tokens=64)}
@@ -91,17 +91,20 @@ def _load(target: str, draft: str | None, dtype: str, log):
 def run_chaos(out_dir: str | Path, *, quick: bool, target: str, draft: str | None,
               dtype: str, prompts: int | None = None, max_new_tokens: int | None = None,
               depth: int = 4, seed: int = 0, sampling=("greedy", "sample"),
-              log: Callable[[str], None] = print, faults=None) -> list:
-    """Run the matrix, print the table, write the outputs; returns the rows.
-    Raises ChaosFailed (after writing) when tokens were lost or duplicated or an
-    undocumented exception was raised; ValueError for bad options."""
+              log: Callable[[str], None] = print, faults=None, only=()) -> list:
+    """Run the matrix (``faults``, default :func:`fault_matrix`; ``only``: the rows
+    :func:`select` keeps), print the table, write the outputs; returns the rows.
+    Raises ChaosFailed (after writing) when tokens were lost or duplicated, an
+    undocumented exception was raised or a row's fault never fired; ValueError for bad
+    options (``only`` matching no row included)."""
     from cloud_api.context import SERVICE
     from cloud_api.local import local_server
 
     t0 = time.perf_counter()
     model, tok, drafter, draft, dtype = _load(target, draft, dtype, log)
     s, at = settings_for(tok, quick, prompts, max_new_tokens, depth, seed, list(sampling))
-    faults = faults if faults is not None else fault_matrix(s.timeout_s, quick, at)
+    faults = select(faults if faults is not None else fault_matrix(s.timeout_s, quick, at),
+                    list(only))
     with local_server(model, tok, max_batch=PIPELINE) as ls:
         verifier = ls.app[SERVICE].verifier
         srv = Server(ls.url, ls.signer, lambda: verifier.passes)
@@ -110,9 +113,22 @@ def run_chaos(out_dir: str | Path, *, quick: bool, target: str, draft: str | Non
     print_table(rows, header)
     for p in write_outputs(rows, out_dir, header):
         log(f"wrote {p}")
-    bad = [r.fault for r in rows if r.lost or r.duplicated or r.undocumented]
+    bad = [r.fault for r in rows if r.lost or r.duplicated or r.undocumented
+           or r.never_fired]
     if bad:
-        raise ChaosFailed("tokens lost or duplicated, or an undocumented exception, "
-                          f"under: {', '.join(bad)} (see {Path(out_dir) / 'chaos.md'})")
+        raise ChaosFailed("tokens lost or duplicated, an undocumented exception, or a "
+                          f"fault that never fired, under: {', '.join(bad)} (see "
+                          f"{Path(out_dir) / 'chaos.md'})")
     return rows
+
+
+def select(faults: list, only: list[str]) -> list:
+    """The rows of ``faults`` whose name contains one of the strings ``only``
+    (case-insensitive; empty: every row). Raises ValueError when none matches."""
+    if not only:
+        return faults
+    keep = [f for f in faults if any(o.lower() in f.name.lower() for o in only)]
+    if not keep:
+        raise ValueError(f"no chaos row matches {', '.join(only)!r}")
+    return keep
 
