@@ -6,9 +6,11 @@ Presets (:data:`PRESETS`; explicit ``--prompts``, ``--max-new-tokens``, ``--dept
 
 * ``quick`` (<= 5 minutes on 2 quiet cores with the small pair): 1 HumanEval prompt
   (its first 32 tokens) per sequential mode (the pipeline: 8), 12 new tokens, one fault per run (the 2nd matching
-  request), the 30 s partition replaced by a 5 s one (noted in the table);
+  request), the 30 s partition replaced by a 5 s one (noted in the table), one row on
+  correction requests (the first dropped three times: the round is redone);
 * ``full``: 3 prompts (first 64 tokens), 48 new tokens, faults on the 2nd and 5th
-  matching requests.
+  matching requests (correction requests: the 1st and 3rd), every kind on correction
+  requests too.
 
 Both: greedy and seeded sampling (temperature 0.7, top-p 0.9), draft depth 4, the
 client's per-request timeout 3 s, 2 transport retries, ``offline_timeout_s`` 60 s.
@@ -109,7 +111,9 @@ def run_chaos(out_dir: str | Path, *, quick: bool, target: str, draft: str | Non
         verifier = ls.app[SERVICE].verifier
         srv = Server(ls.url, ls.signer, lambda: verifier.passes)
         rows = run_matrix(srv, drafter, tok, s, faults, log)
-    header = _header(target, draft, dtype, s) + f"; {time.perf_counter() - t0:.0f} s"
+    header = _header(target, draft, dtype, s) + (
+        "; correction rows: sampling only" if any(f.target == "correction" for f in faults)
+        else "") + f"; {time.perf_counter() - t0:.0f} s"
     print_table(rows, header)
     for p in write_outputs(rows, out_dir, header):
         log(f"wrote {p}")
