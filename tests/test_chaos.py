@@ -312,9 +312,11 @@ def test_cli_writes_the_table_and_chaos_json(monkeypatch, tmp_path, target, draf
                                                            "tiny-draft", "float32"))
     monkeypatch.setattr(R, "_prompts", lambda tok, n, seed, length=64: PROMPTS[:n])
     monkeypatch.setattr(R, "fault_matrix", lambda timeout_s, quick, at: [
-        Fault("none", "none"), Fault("drop-response", "drop-response", at=at)])
+        Fault("none", "none"), Fault("drop-response", "drop-response", at=at),
+        Fault("reorder", "reorder", at=at)])
     res = CliRunner().invoke(bench, ["--chaos", "--quick", "--out", str(tmp_path),
-                                     "--max-new-tokens", "12", "--sampling", "greedy"])
+                                     "--max-new-tokens", "12", "--sampling", "greedy",
+                                     "--chaos-rows", "NONE,drop"])     # not reorder
     assert res.exit_code == 0, res.output
     rows = json.loads((tmp_path / "chaos.json").read_text())
     assert [list(r) for r in rows] == [list(ROW_KEYS)] * 2
@@ -329,3 +331,5 @@ def test_cli_refuses_options_that_do_not_apply():
 
     res = CliRunner().invoke(bench, ["--chaos", "--modes", "specrelay"])
     assert res.exit_code == 2 and "does not apply to --chaos" in res.output
+    res = CliRunner().invoke(bench, ["--chaos-rows", "correction"])
+    assert res.exit_code == 2 and "--chaos-rows applies to --chaos only" in res.output
