@@ -113,14 +113,19 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
 @click.option("--chaos", is_flag=True, help="Run the link-fault matrix instead: drops, "
               "duplicates, reorders, delays past the client's timeout, resets mid-body and "
-              "partitions (2 s, 30 s) of single HTTP requests x greedy/seeded sampling x "
+              "partitions (2 s, 30 s) of single HTTP requests (verify, session create, "
+              "correction: sampling only) x greedy/seeded sampling x "
               "stop-and-wait/IPDG+ahead/pipeline of 8, each run compared with the "
               "fault-free one. Writes OUT/chaos.json and OUT/chaos.md; exits 1 when a "
-              "token is lost or duplicated or an undocumented exception is raised. "
+              "token is lost or duplicated, an undocumented exception is raised or a "
+              "row's fault never fired. "
               "Default pair: smollm2-135m, float32, depth 4. With --quick: <= 5 min, 1 "
               "prompt (32 tokens), 12 new tokens, the 30 s partition replaced by 5 s. "
               "Takes --target, --draft, --dtype, --prompts, --max-new-tokens, --depth, "
-              "--sampling, --seed.")
+              "--sampling, --seed, --chaos-rows.")
+@click.option("--chaos-rows", default=None, help="With --chaos: run only the rows whose "
+              "fault name contains one of these comma-separated strings "
+              "(case-insensitive), e.g. 'correction' or 'partition,drop-request'.")
 def bench(**o):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
@@ -135,6 +140,8 @@ def bench(**o):
     if o["chaos"]:
         _chaos(o)
         return
+    if o["chaos_rows"] is not None:
+        raise click.UsageError("--chaos-rows applies to --chaos only")
     from bench.console import print_summary
     from bench.harness import run_bench
 
@@ -169,7 +176,7 @@ def _chaos(o: dict) -> None:
         run_chaos(o["out_dir"], quick=o["quick"], draft=o["draft"], prompts=o["prompts"],
                   max_new_tokens=o["max_new_tokens"], seed=o["seed"],
                   sampling=_csv(o["sampling"]) or ["greedy", "sample"],
-                  log=lambda m: click.echo(m, err=True), **kw)
+                  only=_csv(o["chaos_rows"]) or (), log=lambda m: click.echo(m, err=True), **kw)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     except ChaosFailed as e:

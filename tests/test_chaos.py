@@ -1,9 +1,11 @@
 """The link-fault matrix (``bench.chaos``) on the suite's tiny random pair: single HTTP
 requests dropped, duplicated, reordered, delayed past the client's timeout, cut
 mid-body, and partitions; greedy and seeded sampling, stop-and-wait and IPDG with
-blocks sent ahead (and a pipeline of 8). Every faulted run must equal the fault-free
-run, lose and duplicate nothing, and cost no extra target pass (a replayed block is
-answered from the server's replay cache). The server is the signed in-process API."""
+blocks sent ahead (and a pipeline of 8); on verify, create and correction requests
+(sampling only, a client whose every rejection needs one). Every faulted run must equal
+the fault-free run, lose and duplicate nothing, and cost no extra target pass (a
+replayed block is answered from the server's replay cache). The server is the signed
+in-process API."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import logging
 import pytest
 from click.testing import CliRunner
 
-from bench.chaos.faults import Fault, FaultPlan
+from bench.chaos.faults import CORRECTION_CLIENT, Fault, FaultPlan, fault_matrix
 from bench.chaos.matrix import ChaosSettings, Server, _client, _one, _Job, references, run_fault
 from bench.chaos.proxy import FaultProxy
+from bench.chaos.run import select
 from bench.chaos.score import ROW_KEYS, Row, RunOutcome, score_tokens
 from cloud_api.context import SERVICE
 from cloud_api.local import local_server
@@ -121,6 +124,103 @@ def test_create_with_a_request_id_is_idempotent(live):
         http.close()
 
 
+SAMPLED = SamplingConfig(temperature=0.8)
+
+
+@pytest.mark.parametrize("kind", ["drop-request", "drop-response", "duplicate", "reorder",
+                                  "delay-request", "delay-response", "reset-request",
+                                  "reset-response"])
+def test_correction_fault_leaves_the_output_identical(srv, drafter, tok, refs, kind):
+    late = kind.startswith("delay")
+    f = Fault(kind, kind, "correction", at=(1,) if late else (1, 3),
+              seconds=TIMEOUT_S + 0.5 if late else 0)
+    row = run_fault(srv, drafter, tok, _settings(), f, refs)
+    assert row.runs == 2                             # sampled only x 2 modes x 1 prompt
+    _clean(row)
+    assert row.injected == (2 if late else 4) and row.seen > row.injected   # hits counted
+    assert row.target == "correction" and not row.never_fired
+
+
+def test_correction_retries_used_up_redo_the_round_with_the_same_draw(srv, drafter, tok):
+    """The first correction request dropped three times (one more than the transport's
+    2 retries): the round fails after its verdict and is redone; the resent block is
+    answered from the replay cache and the correction token redrawn from the same
+    seeded generator: identical output, no extra target pass."""
+    clean = _through_proxy(srv, drafter, tok, Fault("n", "none"), "stop-and-wait", SAMPLED,
+                           **CORRECTION_CLIENT)
+    p0 = srv.passes()
+    toks, err, stats, seen = _through_proxy(
+        srv, drafter, tok, Fault("x3", "drop-request", "correction", (1, 2, 3)),
+        "stop-and-wait", SAMPLED, **CORRECTION_CLIENT)
+    assert err is None and clean[1] is None and toks == clean[0]
+    assert stats.fired == 3 and seen["correction"] == clean[3]["correction"] + 3
+    assert seen["verify"] == clean[3]["verify"] + 1         # the block was resent
+    assert srv.passes() - p0 == clean[3]["verify"]          # ... and not verified again
+
+
+def test_a_duplicated_correction_request_is_refused_as_a_replay(srv, drafter, tok):
+    toks, err, stats, seen = _through_proxy(
+        srv, drafter, tok, Fault("d", "duplicate", "correction", (1,)), "ipdg+ahead",
+        SAMPLED, **CORRECTION_CLIENT)
+    clean = _through_proxy(srv, drafter, tok, Fault("n", "none"), "ipdg+ahead", SAMPLED,
+                           **CORRECTION_CLIENT)
+    assert err is None and toks == clean[0] and stats.duplicate_statuses == [401]
+
+
+def test_pipeline_of_8_rides_out_dropped_correction_answers(srv, drafter, tok, refs):
+    s = _settings(modes=("pipeline-8",))
+    row = run_fault(srv, drafter, tok, s, Fault("c", "drop-response", "correction", (2, 9)),
+                    refs)
+    assert row.runs == 8 and row.injected == 2
+    assert (row.identical, row.lost, row.duplicated, row.undocumented) == (8, 0, 0, [])
+
+
+def test_correction_rows_run_sampling_only(srv, drafter, tok, refs):
+    s = _settings(samplings={"greedy": SamplingConfig()})
+    row = run_fault(srv, drafter, tok, s, Fault("c", "drop-request", "correction"), refs)
+    assert row.runs == 0 and "greedy" in row.note and not row.never_fired
+    never = Row("v", runs=2, expect_hits=True)
+    assert never.never_fired
+
+
+def test_a_repeated_correction_request_gets_the_same_answer(live):
+    """A correction request is a read of the pending correction: asked twice (fresh
+    signatures) it is answered with the same bytes and the session does not change."""
+    from edge_sdk.protocol import wire
+    from tests.conftest import RawHTTP
+
+    srv, svc = live
+    http = RawHTTP(srv.url, srv.signer)
+    try:
+        info = http.create(prompt_ids=[4, 5, 6], sampling={"temperature": 0.8}, seed=3,
+                           support_k=1, n_proposals=0)
+        sid, path = info["session_id"], f"/v1/sessions/{info['session_id']}"
+        block = wire.VerifyRequest(int(sid), 0, 3, info["config_id"], None,
+                                   [1, 2, 3, 7], [1.0] * 4, None, 6)
+        st, data = http("POST", path + "/verify", block.encode(64))
+        assert st == 200 and wire.VerifyResponse.decode(data).correction is not None
+        before = http.state(sid)
+        for k in (None, 8):
+            body = wire.CorrectionRequest(0, k).encode()
+            answers = [http("POST", path + "/correction", body) for _ in range(3)]
+            assert answers[0][0] == 200 and answers.count(answers[0]) == 3
+        assert http.state(sid) == before and before["awaiting_correction"]
+    finally:
+        http.cleanup()
+        http.close()
+
+
+def test_select_keeps_the_named_rows():
+    rows = fault_matrix(3.0, quick=False)
+    corr = select(rows, ["correction"])
+    assert {f.target for f in corr} == {"correction"} and len(corr) == 10
+    assert {"drop-request", "drop-response", "duplicate", "delay-request", "delay-response",
+            "reset-request", "reset-response"} <= {f.kind for f in corr}
+    assert select(rows, []) == rows
+    with pytest.raises(ValueError):
+        select(rows, ["no such row"])
+
+
 def test_pipeline_of_8_rides_out_a_dropped_response(srv, drafter, tok, refs):
     s = _settings(modes=("pipeline-8",), samplings={"sampled": SamplingConfig(temperature=0.8)})
     row = run_fault(srv, drafter, tok, s, Fault("drop-response", "drop-response", at=(3, 9)),
@@ -146,29 +246,31 @@ def test_partition_past_the_offline_timeout_fails_with_cloud_unreachable(srv, dr
                                                                                   [])
 
 
-def _through_proxy(srv, drafter, tok, fault, mode):
-    """One greedy request through a proxy with ``fault``; (token ids, error, stats)."""
-    s = _settings()
+def _through_proxy(srv, drafter, tok, fault, mode, sampling=None, **client_kw):
+    """One request (greedy unless ``sampling``) through a proxy with ``fault``;
+    (token ids, error, stats, the plan's requests seen per target)."""
+    s = _settings(client_kw=client_kw)
 
     async def main():
         async with FaultProxy(srv.url, fault) as p:
             async with _client(p.url, srv, drafter, tok, s, mode) as c:
-                toks, err = await _one(c, _Job(PROMPTS[0], 7), SamplingConfig(), 24)
-        return toks, err, p.stats
+                toks, err = await _one(c, _Job(PROMPTS[0], 7), sampling or SamplingConfig(),
+                                       24)
+        return toks, err, p.stats, dict(p.plan.seen)
 
     return asyncio.run(main())
 
 
 def test_reorder_lets_the_block_sent_ahead_overtake(srv, drafter, tok, refs):
-    toks, err, stats = _through_proxy(srv, drafter, tok, Fault("r", "reorder", at=(2, 4, 6)),
-                                      "ipdg+ahead")
+    toks, err, stats, _ = _through_proxy(srv, drafter, tok,
+                                         Fault("r", "reorder", at=(2, 4, 6)), "ipdg+ahead")
     assert err is None and toks == refs["greedy", "ipdg+ahead"][0][0]
     assert stats.fired == 3 and stats.reordered >= 1     # a later block went first
 
 
 def test_a_duplicate_of_a_signed_request_is_refused_as_a_replay(srv, drafter, tok, refs):
-    toks, err, stats = _through_proxy(srv, drafter, tok, Fault("d", "duplicate", at=(2,)),
-                                      "stop-and-wait")
+    toks, err, stats, _ = _through_proxy(srv, drafter, tok,
+                                         Fault("d", "duplicate", at=(2,)), "stop-and-wait")
     assert err is None and toks == refs["greedy", "stop-and-wait"][0][0]
     assert stats.duplicate_statuses == [401]
 
@@ -180,6 +282,11 @@ def test_plan_counts_matching_requests_only():
     assert plan.pick("DELETE", "/v1/sessions/1") is None
     assert plan.pick("POST", "/v1/sessions/1/verify").kind == "drop-request"
     assert plan.pick("POST", "/v1/sessions/1/verify") is None and plan.fired == 1
+    plan = FaultPlan(Fault("c", "drop-response", "correction", at=(1,)))
+    assert plan.pick("POST", "/v1/sessions/1/verify") is None
+    assert plan.pick("POST", "/v1/sessions/1/correction").kind == "drop-response"
+    assert plan.pick("POST", "/v1/sessions/1/correction") is None
+    assert dict(plan.seen) == {"verify": 1, "correction": 2} and plan.fired == 1
 
 
 def test_scores():
@@ -205,9 +312,11 @@ def test_cli_writes_the_table_and_chaos_json(monkeypatch, tmp_path, target, draf
                                                            "tiny-draft", "float32"))
     monkeypatch.setattr(R, "_prompts", lambda tok, n, seed, length=64: PROMPTS[:n])
     monkeypatch.setattr(R, "fault_matrix", lambda timeout_s, quick, at: [
-        Fault("none", "none"), Fault("drop-response", "drop-response", at=at)])
+        Fault("none", "none"), Fault("drop-response", "drop-response", at=at),
+        Fault("reorder", "reorder", at=at)])
     res = CliRunner().invoke(bench, ["--chaos", "--quick", "--out", str(tmp_path),
-                                     "--max-new-tokens", "12", "--sampling", "greedy"])
+                                     "--max-new-tokens", "12", "--sampling", "greedy",
+                                     "--chaos-rows", "NONE,drop"])     # not reorder
     assert res.exit_code == 0, res.output
     rows = json.loads((tmp_path / "chaos.json").read_text())
     assert [list(r) for r in rows] == [list(ROW_KEYS)] * 2
@@ -222,3 +331,5 @@ def test_cli_refuses_options_that_do_not_apply():
 
     res = CliRunner().invoke(bench, ["--chaos", "--modes", "specrelay"])
     assert res.exit_code == 2 and "does not apply to --chaos" in res.output
+    res = CliRunner().invoke(bench, ["--chaos-rows", "correction"])
+    assert res.exit_code == 2 and "--chaos-rows applies to --chaos only" in res.output

@@ -3,9 +3,15 @@ one the fault proxy (:mod:`bench.chaos.proxy`) injects.
 
 A :class:`Fault` is one row of the matrix: a *kind* (what happens), a *target* (which
 requests it hits: ``verify`` = ``POST /v1/sessions/{id}/verify``, ``create`` =
-``POST /v1/sessions``) and the 1-based indices ``at`` of the matching requests it hits,
-counted in arrival order at one proxy (retries and duplicates count as requests too).
-Nothing is random: the same traffic gets the same faults.
+``POST /v1/sessions``, ``correction`` = ``POST /v1/sessions/{id}/correction``, the
+edge's fetch of a wider support or the full target distribution for its staged
+correction) and the 1-based indices ``at`` of the matching requests it hits, counted in
+arrival order at one proxy (retries and duplicates count as requests too). Nothing is
+random: the same traffic gets the same faults.
+
+Correction requests happen only in sampling mode, when the verify answer's support
+cannot decide the correction token; the matrix runs the ``correction`` rows with
+sampling only and a client that always needs one (:data:`CORRECTION_CLIENT`).
 
 Kinds, by direction (uplink = client to server, downlink = server to client):
 
@@ -47,22 +53,29 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "TARGETS", "Fault", "FaultPlan", "fault_matrix", "request_target"]
+__all__ = ["KINDS", "TARGETS", "CORRECTION_CLIENT", "Fault", "FaultPlan", "correction_rows",
+           "fault_matrix", "request_target"]
 
 KINDS = ("none", "drop-request", "drop-response", "duplicate", "reorder", "delay-request",
          "delay-response", "reset-request", "reset-response", "partition")
-TARGETS = ("verify", "create")
-_VERIFY = re.compile(r"^/v1/sessions/[^/]+/verify$")
+TARGETS = ("verify", "create", "correction")
+_SESSION_POST = re.compile(r"^/v1/sessions/[^/]+/(verify|correction)$")
+
+CORRECTION_CLIENT = {"support_k": 1, "n_proposals": 0}
+"""``EdgeClient`` options of the ``correction`` rows: a top-1 support and no proposals
+in the verify answer, so every rejection whose target distribution has more than one
+token (sampling) needs a correction request (``eps_req`` 0: the full distribution)."""
 
 
 def request_target(method: str, path: str) -> str | None:
-    """``verify``, ``create`` or None (any other request) for ``method`` and ``path``
-    (without the query)."""
+    """``verify``, ``create``, ``correction`` or None (any other request) for
+    ``method`` and ``path`` (without the query)."""
     if method != "POST":
         return None
     if path == "/v1/sessions":
         return "create"
-    return "verify" if _VERIFY.match(path) else None
+    m = _SESSION_POST.match(path)
+    return m.group(1) if m else None
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,8 @@ class Fault:
     Attributes:
         name: the row label (``chaos.json``'s ``fault``).
         kind: one of :data:`KINDS`.
-        target: one of :data:`TARGETS`.
+        target: one of :data:`TARGETS` (``correction``: the row runs sampling
+            variants only, with :data:`CORRECTION_CLIENT`).
         at: 1-based indices of the matching requests hit (per proxy).
         seconds: delay (``delay-*``) or partition length (``partition``), seconds.
         expect_error: the documented error (``CloudUnreachable``) is the expected end
@@ -122,12 +136,40 @@ class FaultPlan:
         return f
 
 
+def correction_rows(timeout_s: float, quick: bool, at: tuple = (1,)) -> list[Fault]:
+    """The rows on correction requests (sampling only, :data:`CORRECTION_CLIENT`): every
+    kind on the ``at``-th correction requests, a 2 s partition from the first, and
+    ``drop-request x3``: the first three dropped, one more than the client's 2 transport
+    retries, so the round fails after the verdict and is redone (the resent block is
+    answered from the replay cache, the correction fetched again, the token redrawn
+    from the same seeded generator). ``quick``: ``drop-request x3`` only (it drops the
+    request and exhausts the retries; each row costs ~10 % of the quick run). Delays
+    are ``timeout_s + 0.5`` seconds."""
+    late, c = timeout_s + 0.5, "correction"
+    x3 = Fault("drop-request x3 (correction)", "drop-request", c, (1, 2, 3),
+               note="3 drops > 2 transport retries: the round is redone")
+    if quick:
+        return [x3]
+    return [Fault("drop-request (correction)", "drop-request", c, at),
+            Fault("drop-response (correction)", "drop-response", c, at),
+            Fault("duplicate (correction)", "duplicate", c, at),
+            Fault("reorder (correction)", "reorder", c, at),
+            Fault("delay-request (correction)", "delay-request", c, at, seconds=late),
+            Fault("delay-response (correction)", "delay-response", c, at, seconds=late),
+            Fault("reset-request-body (correction)", "reset-request", c, at),
+            Fault("reset-response-body (correction)", "reset-response", c, at),
+            Fault("partition-2s (correction)", "partition", c, at[:1], seconds=2.0),
+            x3]
+
+
 def fault_matrix(timeout_s: float, quick: bool, at: tuple = (2,)) -> list[Fault]:
     """The rows of ``specrelay bench --chaos``: every kind on verify requests, the drop
     and duplicate kinds on session creation, a 2 s and a 30 s partition (``quick``: 5 s,
-    noted) and a 30 s partition that outlasts the client's patience (refused
-    connections, 1 s offline timeout: every run hit must fail with ``CloudUnreachable``). Delays are
-    ``timeout_s + 0.5`` seconds (past the client's per-request timeout)."""
+    noted), a 30 s partition that outlasts the client's patience (refused
+    connections, 1 s offline timeout: every run hit must fail with
+    ``CloudUnreachable``), then :func:`correction_rows` (on the first correction
+    request of a run; full: the first and the third). Delays are ``timeout_s + 0.5``
+    seconds (past the client's per-request timeout)."""
     late = timeout_s + 0.5
     long_s = 5.0 if quick else 30.0
     first = (1,)
@@ -151,4 +193,4 @@ def fault_matrix(timeout_s: float, quick: bool, at: tuple = (2,)) -> list[Fault]
               expect_error=True, offline_timeout_s=1.0, refuse=True,
               note="connections reset, offline_timeout_s 1 s: every run must fail with "
               "CloudUnreachable"),
-    ]
+    ] + correction_rows(timeout_s, quick, first if quick else (1, 3))

@@ -15,9 +15,9 @@ signature covers method, path, timestamp, nonce and body digest, all forwarded a
 
 A *reset* closes the client connection with ``SO_LINGER`` 0 (a TCP RST), which the
 client sees as a reset or disconnected connection, the same as a real link failure.
-The fault kinds are described in :mod:`bench.chaos.faults`; :class:`ProxyStats` counts
-what happened. Chunked request bodies are not supported (the SDK never sends them): the
-connection is reset.
+The fault kinds and targets (verify, create, correction requests) are described in
+:mod:`bench.chaos.faults`; :class:`ProxyStats` counts what happened. Chunked request
+bodies are not supported (the SDK never sends them): the connection is reset.
 """
 
 from __future__ import annotations
@@ -286,8 +286,8 @@ class FaultProxy:
     # ------------------------------------------------------------------ upstream
 
     async def _forward(self, req: HttpRequest) -> Upstream:
-        """Send ``req`` upstream as is; the answer. A verify request answered wakes a
-        held (reordered) one."""
+        """Send ``req`` upstream as is; the answer. A request of the fault's target
+        (verify, correction) answered wakes a held (reordered) one."""
         headers = [(k, v) for k, v in req.headers if k.lower() not in _HOP]
         async with self._http.request(req.method, URL(self.upstream + req.target,
                                                       encoded=True),
@@ -299,13 +299,15 @@ class FaultProxy:
                                                        v.decode("latin-1"))
                                                       for k, v in r.raw_headers], body)
         self.stats.forwarded += 1
-        if request_target(req.method, req.path) == "verify" and self._next_forwarded:
+        if (self._next_forwarded is not None
+                and request_target(req.method, req.path) == self.plan.fault.target):
             self._next_forwarded.set()
         return out
 
     async def _hold(self) -> None:
-        """``reorder``: wait until another verify request has been answered, or
-        ``hold_s`` seconds."""
+        """``reorder``: wait until another request of the fault's target has been
+        answered (a block sent ahead, another request of a pipeline), or ``hold_s``
+        seconds."""
         ev = self._next_forwarded = asyncio.Event()
         try:
             await asyncio.wait_for(ev.wait(), self.hold_s)

@@ -14,11 +14,17 @@ __all__ = ["write_outputs", "markdown", "print_table", "notes"]
 
 
 def notes(rows: Sequence[Row], header: str = "") -> list[str]:
-    """The lines under the table: the setup, each row's note, faults injected, extra
-    target passes of the sequential runs, undocumented exceptions."""
+    """The lines under the table: the setup, each row's note, faults injected, the
+    correction requests of the ``correction`` rows (seen / hit), extra target passes of
+    the sequential runs, rows whose fault never fired, undocumented exceptions."""
     out = [header] if header else []
     out += [f"- {r.fault}: {r.note}" for r in rows if r.note]
     out.append("- faults injected: " + ", ".join(f"{r.fault} {r.injected}" for r in rows))
+    corr = [f"{r.fault} {r.seen} / {r.injected}" for r in rows if r.target == "correction"]
+    if corr:
+        out.append("- correction requests (seen / hit by the fault): " + ", ".join(corr))
+    out += [f"- NEVER FIRED: {r.fault} (no request was hit: the row proves nothing)"
+            for r in rows if r.never_fired]
     extra = [f"{r.fault} {r.extra_passes}" for r in rows if r.extra_passes]
     out.append("- extra target passes (sequential runs, vs the fault-free run): "
                + (", ".join(extra) if extra else "none"))
@@ -55,7 +61,8 @@ def print_table(rows: Sequence[Row], header: str = "") -> None:
     for k in ROW_KEYS:
         t.add_column(k, justify="left" if k == "fault" else "right")
     for r in rows:
-        bad = r.identical + r.errors < r.runs or r.lost or r.duplicated or r.undocumented
+        bad = (r.identical + r.errors < r.runs or r.lost or r.duplicated or r.undocumented
+               or r.never_fired)
         t.add_row(*(str(r.as_dict()[k]) for k in ROW_KEYS), style="red" if bad else None)
     con = Console()
     con.print(t)

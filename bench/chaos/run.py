@@ -6,9 +6,11 @@ Presets (:data:`PRESETS`; explicit ``--prompts``, ``--max-new-tokens``, ``--dept
 
 * ``quick`` (<= 5 minutes on 2 quiet cores with the small pair): 1 HumanEval prompt
   (its first 32 tokens) per sequential mode (the pipeline: 8), 12 new tokens, one fault per run (the 2nd matching
-  request), the 30 s partition replaced by a 5 s one (noted in the table);
+  request), the 30 s partition replaced by a 5 s one (noted in the table), one row on
+  correction requests (the first dropped three times: the round is redone);
 * ``full``: 3 prompts (first 64 tokens), 48 new tokens, faults on the 2nd and 5th
-  matching requests.
+  matching requests (correction requests: the 1st and 3rd), every kind on correction
+  requests too.
 
 Both: greedy and seeded sampling (temperature 0.7, top-p 0.9), draft depth 4, the
 client's per-request timeout 3 s, 2 transport retries, ``offline_timeout_s`` 60 s.
@@ -24,7 +26,7 @@ from bench.chaos.faults import fault_matrix
 from bench.chaos.matrix import PIPELINE, ChaosSettings, Server, run_matrix
 from bench.chaos.report import print_table, write_outputs
 
-__all__ = ["PRESETS", "ChaosFailed", "run_chaos", "settings_for"]
+__all__ = ["PRESETS", "ChaosFailed", "run_chaos", "select", "settings_for"]
 
 PRESETS = {"quick": dict(prompts=1, max_new_tokens=12, at=(2,), prompt_tokens=32),
            "full": dict(prompts=3, max_new_tokens=48, at=(2, 5), prompt_tokens=64)}
@@ -91,28 +93,46 @@ def _load(target: str, draft: str | None, dtype: str, log):
 def run_chaos(out_dir: str | Path, *, quick: bool, target: str, draft: str | None,
               dtype: str, prompts: int | None = None, max_new_tokens: int | None = None,
               depth: int = 4, seed: int = 0, sampling=("greedy", "sample"),
-              log: Callable[[str], None] = print, faults=None) -> list:
-    """Run the matrix, print the table, write the outputs; returns the rows.
-    Raises ChaosFailed (after writing) when tokens were lost or duplicated or an
-    undocumented exception was raised; ValueError for bad options."""
+              log: Callable[[str], None] = print, faults=None, only=()) -> list:
+    """Run the matrix (``faults``, default :func:`fault_matrix`; ``only``: the rows
+    :func:`select` keeps), print the table, write the outputs; returns the rows.
+    Raises ChaosFailed (after writing) when tokens were lost or duplicated, an
+    undocumented exception was raised or a row's fault never fired; ValueError for bad
+    options (``only`` matching no row included)."""
     from cloud_api.context import SERVICE
     from cloud_api.local import local_server
 
     t0 = time.perf_counter()
     model, tok, drafter, draft, dtype = _load(target, draft, dtype, log)
     s, at = settings_for(tok, quick, prompts, max_new_tokens, depth, seed, list(sampling))
-    faults = faults if faults is not None else fault_matrix(s.timeout_s, quick, at)
+    faults = select(faults if faults is not None else fault_matrix(s.timeout_s, quick, at),
+                    list(only))
     with local_server(model, tok, max_batch=PIPELINE) as ls:
         verifier = ls.app[SERVICE].verifier
         srv = Server(ls.url, ls.signer, lambda: verifier.passes)
         rows = run_matrix(srv, drafter, tok, s, faults, log)
-    header = _header(target, draft, dtype, s) + f"; {time.perf_counter() - t0:.0f} s"
+    header = _header(target, draft, dtype, s) + (
+        "; correction rows: sampling only" if any(f.target == "correction" for f in faults)
+        else "") + f"; {time.perf_counter() - t0:.0f} s"
     print_table(rows, header)
     for p in write_outputs(rows, out_dir, header):
         log(f"wrote {p}")
-    bad = [r.fault for r in rows if r.lost or r.duplicated or r.undocumented]
+    bad = [r.fault for r in rows if r.lost or r.duplicated or r.undocumented
+           or r.never_fired]
     if bad:
-        raise ChaosFailed("tokens lost or duplicated, or an undocumented exception, "
-                          f"under: {', '.join(bad)} (see {Path(out_dir) / 'chaos.md'})")
+        raise ChaosFailed("tokens lost or duplicated, an undocumented exception, or a "
+                          f"fault that never fired, under: {', '.join(bad)} (see "
+                          f"{Path(out_dir) / 'chaos.md'})")
     return rows
+
+
+def select(faults: list, only: list[str]) -> list:
+    """The rows of ``faults`` whose name contains one of the strings ``only``
+    (case-insensitive; empty: every row). Raises ValueError when none matches."""
+    if not only:
+        return faults
+    keep = [f for f in faults if any(o.lower() in f.name.lower() for o in only)]
+    if not keep:
+        raise ValueError(f"no chaos row matches {', '.join(only)!r}")
+    return keep
 

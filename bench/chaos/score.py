@@ -71,8 +71,11 @@ def score_tokens(ref: Sequence[int], out: Sequence[int],
 @dataclass
 class Row:
     """The outcome of one fault over all its runs (``chaos.json`` row: :meth:`as_dict`),
-    plus what the table's notes show: faults injected, extra target passes of the
-    sequential runs (a replayed block must cost none), undocumented exceptions."""
+    plus what the table's notes show: faults injected (``injected``: requests hit),
+    requests of the fault's ``target`` the proxies saw (``seen``), extra target passes
+    of the sequential runs (a replayed block must cost none), undocumented exceptions.
+    ``expect_hits``: the row injects faults (kind other than ``none``); one that ran
+    but hit nothing proves nothing (:attr:`never_fired`)."""
 
     fault: str
     runs: int = 0
@@ -84,6 +87,14 @@ class Row:
     extra_passes: int = 0
     undocumented: list = field(default_factory=list)
     note: str = ""
+    target: str = "verify"
+    expect_hits: bool = False
+    seen: int = 0
+
+    @property
+    def never_fired(self) -> bool:
+        """The row ran and should have injected faults, but none hit a request."""
+        return self.expect_hits and self.runs > 0 and self.injected == 0
 
     def add(self, o: RunOutcome) -> None:
         """Count one run."""
