@@ -16,8 +16,9 @@
     rejected drafts included (the same for both at the same depth);
     ``proactive_wasted_tokens`` (same orientation) counts only the proactive branches'
     discarded tokens, where the two differ;
-  - ``tpot_s`` of ``ipdg`` (and ``rapid``) vs ``stop-and-wait``: value = stop-and-wait /
-    ipdg (1.11 = IPDG's TPOT 10 % lower);
+  - ``tpot_s`` of ``ipdg`` (and ``rapid``, ``fsd``, ``fsd+ipdg``) vs ``stop-and-wait``:
+    value = stop-and-wait / ipdg (1.11 = IPDG's TPOT 10 % lower); ``fsd`` and
+    ``fsd+ipdg`` vs ``ipdg`` the same way (FSD's gain over IPDG alone);
 
 * the confirmed-prefix pipeline (AsymSpec §IV-C and §V), :func:`pipeline_ratios`:
   ``pipeline`` against the strongest concurrent baseline, and the strong→weak
@@ -173,7 +174,9 @@ def adaptive_ratios(runs: Sequence[dict]) -> list[dict]:
     specs = ([("throughput_tok_s", m, BEST_FIXED, True, best_of) for m in ("caac", "rapid")]
              + [(k, "ipdg", "npdg", False, None)
                 for k in ("wasted_draft_tokens", "proactive_wasted_tokens")]
-             + [("tpot_s", m, "stop-and-wait", False, None) for m in ("ipdg", "rapid")])
+             + [("tpot_s", m, "stop-and-wait", False, None)
+                for m in ("ipdg", "rapid", "fsd", "fsd+ipdg")]
+             + [("tpot_s", m, "ipdg", False, None) for m in ("fsd", "fsd+ipdg")])
     rows = [ratio_row(idx, prof, workloads, metric, mode, base, higher, fn)
             for metric, mode, base, higher, fn in specs for prof in profiles]
     return [r for r in rows if r is not None]
