@@ -8,7 +8,7 @@ import re
 
 from cloud_api.service import CloudService
 from cloud_api.sessions import ApiError
-from edge_sdk.protocol import wire
+from edge_sdk.protocol import frames, wire
 from edge_sdk.transport import MSGPACK, RemoteError
 
 _SESSION = re.compile(r"^/v1/sessions/([^/]+)(/verify|/correction)?$")
@@ -36,7 +36,7 @@ class InProcessTransport:
         sid, tail = m.groups()
         if method == "POST" and tail == "/verify":
             sink = None if on_early is None else (
-                lambda b: on_early(wire.EarlyVerdict.from_list(wire.unpack(b))))
+                lambda b: on_early(frames.EarlyVerdict.from_list(wire.unpack(b))))
             return await self.svc.verify(sid, body, None, on_early=sink)
         if method == "POST" and tail == "/correction":
             return await self.svc.correction(sid, body, None)

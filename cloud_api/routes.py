@@ -14,7 +14,7 @@ from cloud_api.context import MSGPACK, SERVICE
 from cloud_api.context import owner as _owner
 from cloud_api.service import CloudService
 from cloud_api.sessions import ApiError
-from edge_sdk.protocol import wire
+from edge_sdk.protocol import frames, wire
 
 log = logging.getLogger("cloud_api")
 
@@ -84,17 +84,17 @@ async def _verify_streamed(request: web.Request, svc: CloudService, args) -> web
     except ApiError as e:
         if not resp.prepared:
             raise
-        out = wire.stream_error(e.status, e.body()["error"])
+        out = frames.stream_error(e.status, e.body()["error"])
     except wire.WireError as e:
         if not resp.prepared:
             raise
-        out = wire.stream_error(400, {"code": "bad_request", "message": e.message,
+        out = frames.stream_error(400, {"code": "bad_request", "message": e.message,
                                       "field": e.field})
     except Exception:
         if not resp.prepared:
             raise
         log.exception("verify failed after its early verdict was sent")
-        out = wire.stream_error(500, {"code": "internal", "message": "verification failed"})
+        out = frames.stream_error(500, {"code": "internal", "message": "verification failed"})
     if not resp.prepared:
         resp.content_length = len(out)
         await resp.prepare(request)

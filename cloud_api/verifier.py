@@ -19,9 +19,10 @@ from cloud_api.sessions import ApiError, Session
 from edge_sdk.kvmodel import batched_forward
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
+from edge_sdk.protocol.frames import EarlyVerdict
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
-                                    EarlyVerdict, VerifyRequest, VerifyResponse)
+                                    VerifyRequest, VerifyResponse)
 
 log = logging.getLogger("cloud_api")
 
@@ -34,7 +35,7 @@ class Verifier:
     is answered on its own. ``passes`` counts target passes (a batch counts once).
 
     With an ``early_head`` (FSD), a block whose caller passed a sink gets a provisional
-    :class:`~edge_sdk.protocol.wire.EarlyVerdict` from the exit layer *during* the pass
+    :class:`~edge_sdk.protocol.frames.EarlyVerdict` from the exit layer *during* the pass
     (a forward hook on that decoder layer: same pass, same positions and caches; the
     layers above still run in full); ``early_frames`` / ``early_hits`` count them and
     how many matched the final verdict.

@@ -154,6 +154,18 @@ class ProactiveResult:
                 next((b for b in self.branches if b.prefix == list(confirmed)), None))
         return kept, self.drafted() - (len(kept.tokens) if kept else 0)
 
+    def step(self, cfg: SamplingConfig) -> float:
+        """One expansion step: one draft token on every live branch short of the plan
+        (draft worker thread). Returns its seconds, charged to each grown branch."""
+        s0 = time.perf_counter()
+        grow = [br for br in self.branches if not br.dead and len(br.tokens) < self.plan]
+        for br in grow:
+            br.expand(cfg)
+        dt = time.perf_counter() - s0
+        for br in grow:
+            br.draft_s += dt
+        return dt
+
     def apply_early(self, ev, assumed: Sequence[int], base_len: int,
                     drafters: Sequence[Drafter], gen: torch.Generator) -> None:
         """FSD: steer the branches by early verdict ``ev`` (``assumed[:base_len]``
@@ -195,8 +207,8 @@ async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int
         gen_factory: ``() -> torch.Generator`` for the next round's draws (one per branch).
         b: number of roots (1: chain). verdict: the in-flight block's response task.
         interruptible: IPDG (stop at the first check after the verdict) or NPDG.
-        early: FSD: resolves to the block's EarlyVerdict (never, when the cloud sends
-            none). guess: start from IPDG's guessed roots (False: only from ``early``).
+        early: FSD: resolves to the block's EarlyVerdict (never if the cloud sends none).
+        guess: start from IPDG's guessed roots (False: only from ``early``).
     Returns None when no branch could be started.
     """
     loop = asyncio.get_running_loop()
@@ -209,17 +221,6 @@ async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int
                         for i, r in enumerate(roots)]
     if not res.branches and early is None:
         return None
-
-    def step() -> float:
-        s0 = time.perf_counter()
-        grow = [br for br in res.branches if not br.dead and len(br.tokens) < plan]
-        for br in grow:
-            br.expand(cfg)
-        dt = time.perf_counter() - s0
-        for br in grow:
-            br.draft_s += dt
-        return dt
-
     while True:
         if (early is not None and res.early is None and early.done()
                 and not verdict.done()):
@@ -234,13 +235,11 @@ async def run_proactive(drafters: Sequence[Drafter], executor, assumed: list[int
             if interruptible:
                 break                    # mismatch or not: the gate closes; reconcile
             res.late_steps += 1
-        await loop.run_in_executor(executor, step)
+        await loop.run_in_executor(executor, res.step, cfg)
         res.steps += 1
     res.t_ready = time.perf_counter()
     res.step_s = res.t_ready - t0
-    if not res.branches and res.early is None and not guess:
-        return None
-    return res
+    return None if not (res.branches or res.early or guess) else res
 
 
 class Lookahead:

@@ -21,7 +21,7 @@ import torch
 
 from edge_sdk.drafters.base import DraftBlock
 from edge_sdk.metrics import RequestMetrics
-from edge_sdk.protocol import wire
+from edge_sdk.protocol import frames, wire
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.transport import MSGPACK, UNREACHABLE, RemoteError, Transport
@@ -169,7 +169,7 @@ class RemoteSession:
             return None
         seq, seen = self.seq, []
 
-        def deliver(v: wire.EarlyVerdict) -> None:
+        def deliver(v: frames.EarlyVerdict) -> None:
             self.m.downlink_bytes += len(v.encode())
             if v.block_seq == seq and not seen:
                 seen.append(v)

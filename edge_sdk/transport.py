@@ -10,7 +10,7 @@ import json
 
 import aiohttp
 
-from edge_sdk.protocol import wire
+from edge_sdk.protocol import frames, wire
 from edge_sdk.retry import RETRYABLE_STATUSES, backoff_delay
 
 MSGPACK = "application/x-msgpack"
@@ -92,11 +92,7 @@ class Transport:
         """
         http = await self._http()
         for attempt in range(self.retries + 1):
-            headers = {"content-type": content_type} if body else {}
-            if on_early is not None:
-                headers["accept"] = f"{wire.STREAM_SEQ}, {MSGPACK}"
-            if self.signer is not None:
-                headers.update(self.signer.headers(method, path, body))
+            headers = self._headers(method, path, body, content_type, on_early)
             try:
                 async with http.request(method, self.base_url + path, data=body or None,
                                         headers=headers) as r:
@@ -129,17 +125,27 @@ class Transport:
         raise AssertionError("unreachable")
 
 
+    def _headers(self, method: str, path: str, body: bytes, content_type: str,
+                 on_early) -> dict:
+        """Content type, the streamed-answer ``Accept`` (FSD) and the signature."""
+        headers = {"content-type": content_type} if body else {}
+        if on_early is not None:
+            headers["accept"] = f"{wire.STREAM_SEQ}, {MSGPACK}"
+        if self.signer is not None:
+            headers.update(self.signer.headers(method, path, body))
+        return headers
+
     async def _read_stream(self, r: aiohttp.ClientResponse, on_early) -> tuple[int, bytes]:
         """Read a streamed verify answer: early verdicts go to ``on_early``; returns
         ``(200, final verdict bytes)`` or ``(status, JSON error bytes)`` for a
         stream-error item. Raises ClientPayloadError for a stream that ends without
         its final item (a connection cut after the early verdict: retried)."""
-        reader = wire.StreamReader()
+        reader = frames.StreamReader()
         try:
             async for chunk in r.content.iter_any():
                 self.downlink_bytes += len(chunk)
                 for item in reader.feed(chunk):
-                    if isinstance(item, wire.EarlyVerdict):
+                    if isinstance(item, frames.EarlyVerdict):
                         if on_early is not None:
                             on_early(item)
                     elif isinstance(item, wire.VerifyResponse):

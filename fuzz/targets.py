@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from edge_sdk.protocol import wire
+from edge_sdk.protocol import frames, wire
 from edge_sdk.protocol import signing as sg
 
 #: vocabulary sizes the decoders are driven with (the first input byte picks one): a
@@ -101,6 +101,26 @@ def correction_response(data: bytes) -> None:
     except wire.WireError:
         return
     _round_trip(m, lambda x: x.encode(), wire.CorrectionResponse.decode)
+
+
+def streamed_verify(data: bytes) -> None:
+    """A streamed verify answer (FSD), fed in two chunks split where the first byte
+    says: every item it yields must round-trip like a single message."""
+    vocab, body = _vocab(data)
+    cut = (data[0] if data else 0) % (len(body) + 1)
+    try:
+        reader = frames.StreamReader(vocab)
+        items = reader.feed(body[:cut]) + reader.feed(body[cut:])
+    except wire.WireError:
+        return
+    for it in items:
+        if isinstance(it, frames.EarlyVerdict):
+            _round_trip(it, lambda x: x.encode(),
+                        lambda b: frames.EarlyVerdict.from_list(wire.unpack(b), vocab))
+        elif isinstance(it, wire.VerifyResponse):
+            _round_trip(it, lambda x: x.encode(), wire.VerifyResponse.decode)
+        elif not (isinstance(it, tuple) and 400 <= it[0] <= 599 and isinstance(it[1], dict)):
+            raise Finding(f"unexpected item {it!r}")
 
 
 def session_request(data: bytes) -> None:
@@ -259,6 +279,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "verify_response": verify_response,
     "correction_request": correction_request,
     "correction_response": correction_response,
+    "streamed_verify": streamed_verify,
     "session_request": session_request,
     "api_key": api_key,
     "signature_header": signature_header,
@@ -289,6 +310,11 @@ def seeds(name: str) -> list[bytes]:
         "correction_response": [
             wire.CorrectionResponse(2, True, np.array([1, 2]), np.array([0.5, 0.5])).encode(),
             wire.CorrectionResponse(2, False, None, np.full(4, 0.25)).encode()],
+        "streamed_verify": [
+            v + frames.EarlyVerdict(2, 3, 42, 24, 0.05).encode()
+            + wire.VerifyResponse(2, 3, 42, None, 13, 0.08).encode(),
+            v + frames.EarlyVerdict(3, 1, None, 24, 0.04).encode()
+            + frames.stream_error(500, {"code": "internal", "message": "m"})],
         "session_request": [v + wire.pack({
             "prompt_ids": [1, 2, 3], "chat": False, "seed": 3, "max_new_tokens": 64,
             "sampling": {"temperature": 0.7, "top_p": 0.9}, "vocab_size": 151_936,

@@ -31,7 +31,7 @@ from cloud_api.sessions import Session
 from cloud_api.verifier import Verifier
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.drafters.torch import TorchDrafter
-from edge_sdk.protocol import rng, wire
+from edge_sdk.protocol import frames, rng, wire
 from edge_sdk.protocol import sampling as S
 from edge_sdk.transport import Transport
 from tests.conftest import RawHTTP, tiny_model, tiny_tokenizer
@@ -75,22 +75,22 @@ def generate(svc, draft, tok, n=40, prompt=PROMPT, transport=None, url="inproc:/
 # ----------------------------------------------------------------------------- wire
 
 def test_early_verdict_and_stream_reader():
-    ev = wire.EarlyVerdict(3, 2, 17, 20, 0.125)
+    ev = frames.EarlyVerdict(3, 2, 17, 20, 0.125)
     final = wire.VerifyResponse(3, 2, 17, None, 12, 0.25)
     body = ev.encode() + final.encode()
-    r = wire.StreamReader(64)
+    r = frames.StreamReader(64)
     items = [it for i in range(len(body)) for it in r.feed(body[i:i + 1])]  # byte by byte
     assert items == [ev, final]
-    err = wire.stream_error(409, {"code": "stale_block", "message": "m"})
-    assert wire.StreamReader().feed(err) == [(409, {"code": "stale_block", "message": "m"})]
+    err = frames.stream_error(409, {"code": "stale_block", "message": "m"})
+    assert frames.StreamReader().feed(err) == [(409, {"code": "stale_block", "message": "m"})]
     for bad in ([wire.MSG_EARLY, 3, 2, 99, 20, 0.1],        # next token out of vocab
                 [wire.MSG_EARLY, 3, 2, 5, 20, -1.0],        # negative time
                 [wire.MSG_EARLY, 3, 2, 5],                  # short
                 [1, 2, 3], "text"):
         with pytest.raises(wire.WireError):
-            wire.StreamReader(64).feed(wire.pack(bad))
+            frames.StreamReader(64).feed(wire.pack(bad))
     with pytest.raises(wire.WireError):
-        wire.StreamReader().feed(b"\xc1")                   # never-used msgpack byte
+        frames.StreamReader().feed(b"\xc1")                   # never-used msgpack byte
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -296,8 +296,8 @@ def test_http_stream_then_duplicate(deep, tok, servers):
     finally:
         http.close()
     assert st == st2 == 200
-    items, items2 = wire.StreamReader(64).feed(first), wire.StreamReader(64).feed(again)
-    assert isinstance(items[0], wire.EarlyVerdict) and items[0].block_seq == 0
+    items, items2 = frames.StreamReader(64).feed(first), frames.StreamReader(64).feed(again)
+    assert isinstance(items[0], frames.EarlyVerdict) and items[0].block_seq == 0
     assert isinstance(items[1], wire.VerifyResponse) and len(items) == 2
     assert items2 == [items[1]]
 
@@ -310,10 +310,10 @@ class CutAfterEarly(Transport):
 
     async def _read_stream(self, r, on_early):
         if CutAfterEarly.cuts % 2 == 0:
-            reader = wire.StreamReader()
+            reader = frames.StreamReader()
             async for chunk in r.content.iter_any():
                 for item in reader.feed(chunk):
-                    if isinstance(item, wire.EarlyVerdict):
+                    if isinstance(item, frames.EarlyVerdict):
                         on_early(item)
                         CutAfterEarly.cuts += 1
                         raise aiohttp.ClientPayloadError("cut after the early verdict")
