@@ -124,7 +124,7 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     from aiohttp import web
 
     from cloud_api.app import create_app
-    from cloud_api.early_exit import early_head_for
+    from cloud_api.exit_select import early_head_for
     from edge_sdk.models import load_model, resolve_dtype
 
     store, auth = None, "NONE (--insecure-no-auth: requests are not authenticated)"
