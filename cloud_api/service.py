@@ -188,6 +188,29 @@ class CloudService:
             return out
 
     def delete(self, sid: str, owner: str | None) -> None:
+        """Remove a session. Raises ApiError 404 (unknown, evicted or foreign)."""
         s = self.sessions.get(sid, owner)
         self.sessions.remove(s.id)
         self._locks.pop(s.id, None)
+
+    # the route-facing calls that a replicated service answers remotely
+    # (:class:`cloud_api.replicas.ingress.RoutedService` has the same ones)
+
+    async def state(self, sid: str, owner: str | None) -> dict:
+        """The confirmed state of a session (JSON map). Raises ApiError 404."""
+        return self.sessions.get(sid, owner).state()
+
+    async def remove(self, sid: str, owner: str | None) -> None:
+        """:meth:`delete`, awaitable. Raises ApiError 404."""
+        self.delete(sid, owner)
+
+    async def health(self) -> dict:
+        """``GET /healthz``'s map: open sessions, vocabulary size, tokenizer hash."""
+        return {"status": "ok", "sessions": len(self.sessions),
+                "vocab_size": self.verifier.vocab_size, "tokenizer_hash": self.fingerprint}
+
+    def stats(self) -> dict:
+        """Load figures: open sessions, KV-cache bytes they hold, target passes and
+        seconds (the replica router's least-loaded choice reads ``sessions``)."""
+        return {"sessions": len(self.sessions), "kv_bytes": self.sessions.kv_bytes(),
+                "passes": self.verifier.passes, "target_s": self.verifier.target_seconds}
