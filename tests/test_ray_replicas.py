@@ -1,0 +1,202 @@
+"""Verifier replicas on a local Ray cluster behind the signed ingress
+(:mod:`cloud_api.replicas`): greedy output through two replicas equals the embedded
+server's and target-only decoding; every request of a session reaches the replica that
+created it (from either ingress worker); a replay is refused across two ingress apps
+sharing the nonce cache, and their rate-limit windows are one; a replica killed
+mid-generation costs its sessions a re-creation only (all outputs still target-only).
+Tiny random models; one Ray cluster and one pair of replicas for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the [ray] extra: pip install -e \".[ray]\"")
+
+import conftest  # noqa: E402
+from cloud_api.app import create_app  # noqa: E402
+from cloud_api.inprocess import InProcessTransport  # noqa: E402
+from cloud_api.keys import SQLiteKeyStore  # noqa: E402
+from cloud_api.metrics import METRICS  # noqa: E402
+from cloud_api.replicas import cluster  # noqa: E402
+from cloud_api.replicas.ingress import create_replicated_app  # noqa: E402
+from cloud_api.replicas.replica import slot_of, unwrap  # noqa: E402
+from cloud_api.replicas.shared_state import (RayStorage, SharedNonceCache,  # noqa: E402
+                                             ingress_state)
+from cloud_api.server import BackgroundServer  # noqa: E402
+from cloud_api.service import CloudService  # noqa: E402
+from edge_sdk import EdgeClient  # noqa: E402
+from edge_sdk.drafters.torch import TorchDrafter  # noqa: E402
+from edge_sdk.protocol import wire  # noqa: E402
+from edge_sdk.protocol.signing import Signer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[4, 5, 6], [9, 3, 7, 2], [11, 12], [20, 21, 22, 23], [30, 2], [5, 5, 5],
+           [40, 41, 42], [7, 8]]
+N = 32
+
+
+def target_pair():
+    """The replicas' target (the workers import it from this module)."""
+    return conftest.tiny_model(seed=0), conftest.tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """Local Ray cluster, two replicas, shared ingress state, two signed ingress apps
+    (A, B: two workers' routers over the same named replicas) and a key."""
+    # the workers import this module for target_pair (and the repository first)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [ROOT, os.path.join(ROOT, "tests")] + os.environ.get("PYTHONPATH", "").split(
+            os.pathsep))
+    cluster.connect(num_cpus=2)
+    store = SQLiteKeyStore(str(tmp_path_factory.mktemp("keys") / "keys.sqlite3"))
+    key, raw = store.create("robot", scopes=("verify",), rpm=100_000, tpm=10_000_000)
+    _, tight = store.create("tight", scopes=("verify",), rpm=4, tpm=10_000_000)
+    state = ingress_state("test-ingress-state")
+    apps = []
+    for _ in range(2):
+        router, info = asyncio.run(cluster.start_replicas(target_pair, 2, num_cpus=1,
+                                                           prefix="test-verifier"))
+        apps.append((router, create_replicated_app(
+            router, info, key_store=store, nonce_cache=SharedNonceCache(state),
+            storage=RayStorage(handle=state))))
+    with BackgroundServer(apps[0][1]) as a, BackgroundServer(apps[1][1]) as b:
+        yield {"a": a, "b": b, "router": apps[0][0], "signer": Signer.from_api_key(raw),
+               "owner": key.key_id, "app": apps[0][1],
+               "tight": Signer.from_api_key(tight)}
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Target-only greedy outputs of PROMPTS (in process, no Ray)."""
+    model, tok = target_pair()
+    svc = CloudService(model, tok)
+
+    async def main():
+        async with EdgeClient("inproc://", None, tok, chat=False,
+                              transport=InProcessTransport(svc)) as c:
+            return [(await c.generate(prompt_ids=p, max_new_tokens=N,
+                                      target_only=True)).token_ids for p in PROMPTS]
+    return asyncio.run(main())
+
+
+def _draft():
+    return conftest.tiny_model(seed=1, like=conftest.tiny_model(seed=0), noise=0.05)
+
+
+async def _run_all(url, prompts, signer=None, during=None, keep_during=False):
+    """Greedy generations of ``prompts`` at once through ``url``; ``during()``: a
+    coroutine run beside them (the failover test's kill; its result last with
+    ``keep_during``)."""
+    tok = conftest.tiny_tokenizer()
+    async with EdgeClient(url, TorchDrafter(_draft()), tok, depth=3, chat=False,
+                          signer=signer) as c:
+        jobs = [c.generate(prompt_ids=p, max_new_tokens=N) for p in prompts]
+        if during is not None:
+            jobs.append(during())
+        out = await asyncio.gather(*jobs)
+    return out if keep_during else out[:len(prompts)]
+
+
+def test_greedy_through_two_replicas_equals_embedded(deployment, references):
+    t0 = time.perf_counter()
+    ray_out = asyncio.run(_run_all(deployment["a"].url, PROMPTS[:4], deployment["signer"]))
+    t_ray = time.perf_counter() - t0
+    model, tok = target_pair()
+    with BackgroundServer(create_app(model, tok)) as srv:
+        t0 = time.perf_counter()
+        emb = asyncio.run(_run_all(srv.url, PROMPTS[:4]))
+        t_emb = time.perf_counter() - t0
+    print(f"\n4 sessions x {N} tokens: ray path {t_ray:.2f} s, embedded {t_emb:.2f} s")
+    assert [r.token_ids for r in ray_out] == [r.token_ids for r in emb] == references[:4]
+
+
+def _raw(srv, signer):
+    return conftest.RawHTTP(srv.url, signer)
+
+
+def test_session_affinity_from_either_ingress(deployment):
+    """Sessions spread over both replicas (least loaded); each is answered by the
+    replica its id names, through ingress B as through A; the other replica does not
+    know it."""
+    a, b = _raw(deployment["a"], deployment["signer"]), _raw(deployment["b"],
+                                                             deployment["signer"])
+    router = deployment["router"]
+    try:
+        sids = [a.create(prompt_ids=[3, 4, 5], max_new_tokens=8)["session_id"]
+                for _ in range(4)]
+        assert sorted(slot_of(s) for s in sids) == [0, 0, 1, 1]
+        for sid in sids:
+            assert b.state(sid)["session_id"] == sid          # routed by the id
+            mine, other = slot_of(sid), 1 - slot_of(sid)
+            h, owner = router.handles, deployment["owner"]
+            assert unwrap(ray.get(h[mine].state.remote(sid, owner)))["session_id"] == sid
+            st = ray.get(h[other].state.remote(sid, owner))
+            assert st[0] == "err" and st[1][0] == 404
+        health = json.loads(b("GET", "/healthz")[1])
+        assert health["replicas"] == 2 and health["sessions"] >= 4
+    finally:
+        a.close()
+        b.close()
+
+
+def test_replay_refused_across_ingress_apps(deployment):
+    """A signed request accepted by ingress A is refused when replayed to B (one
+    nonce cache), and the tight key's rpm window is one across both apps."""
+    signer = deployment["signer"]
+    path = "/v1/sessions"
+    body = wire.pack({"prompt_ids": [3, 4], "max_new_tokens": 4})
+    headers = {"content-type": "application/x-msgpack", **signer.headers("POST", path, body)}
+    a, b = _raw(deployment["a"], None), _raw(deployment["b"], None)
+    try:
+        st, data = a("POST", path, body, headers=headers)
+        assert st == 201, data
+        st, data = b("POST", path, body, headers=headers)
+        assert st == 401 and json.loads(data)["error"]["code"] == "replayed_nonce"
+        ta, tb = _raw(deployment["a"], deployment["tight"]), _raw(deployment["b"],
+                                                                  deployment["tight"])
+        got = [(ta if i % 2 else tb)("GET", "/v1/sessions/1")[0] for i in range(6)]
+        assert got[:4] == [404] * 4 and got[4:] == [429, 429], got
+        ta.close()
+        tb.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_failover_kill_one_replica_mid_generation(deployment, references):
+    """8 concurrent greedy sessions over 2 replicas; replica 1 is killed once it has
+    run some passes: every output is still target-only (none lost, none duplicated,
+    all finished) and its sessions were re-created on replica 0. Runs last: it leaves
+    one replica."""
+    router = deployment["router"]
+    victim = router.handles[1]
+
+    async def kill_mid_generation():
+        for _ in range(600):
+            st = unwrap(await victim.stats.remote())
+            if st["sessions"] >= 2 and st["passes"] >= 6:
+                break
+            await asyncio.sleep(0.02)
+        ray.kill(victim, no_restart=True)
+        return st
+
+    def evicted_answers() -> float:
+        return deployment["app"][METRICS].registry.get_sample_value(
+            "specrelay_requests_total",
+            {"endpoint": "POST /v1/sessions/{sid}/verify", "status": "404"}) or 0.0
+
+    before = evicted_answers()
+    *out, at_kill = asyncio.run(_run_all(deployment["a"].url, PROMPTS,
+                                         deployment["signer"], during=kill_mid_generation,
+                                         keep_during=True))
+    assert [r.token_ids for r in out] == references      # none lost, none duplicated
+    assert all(r.finish_reason in ("length", "stop") for r in out)
+    assert at_kill["sessions"] >= 2 and router.dead == {1}   # killed with open sessions
+    assert evicted_answers() - before >= 1    # ... which were answered 404 and re-created
