@@ -200,3 +200,26 @@ def test_failover_kill_one_replica_mid_generation(deployment, references):
     assert all(r.finish_reason in ("length", "stop") for r in out)
     assert at_kill["sessions"] >= 2 and router.dead == {1}   # killed with open sessions
     assert evicted_answers() - before >= 1    # ... which were answered 404 and re-created
+
+
+def test_serve_help_documents_replicas_and_a_missing_extra_is_one_line():
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    import specrelay_cli
+
+    out = CliRunner().invoke(specrelay_cli.main, ["serve", "--help"]).output
+    assert "--replicas" in out and "--ray-address" in out and "[ray]" in out
+    probe = ("import socket, sys; sys.modules['ray'] = None\n"
+             "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; "
+             "s.close()\n"
+             "from click.testing import CliRunner; import specrelay_cli\n"
+             "r = CliRunner().invoke(specrelay_cli.main, ['serve', '--replicas', '2', "
+             "'--insecure-no-auth', '--port', str(port)])\nprint(r.exit_code); print(r.output)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    code, *lines = [x for x in r.stdout.splitlines() if x.strip()]
+    assert code == "1" and len(lines) == 1, r.stdout + r.stderr
+    assert 'pip install -c constraints.txt -e ".[ray]"' in lines[0]
