@@ -13,6 +13,7 @@ import json
 import os
 import time
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra: pip install -e \".[ray]\"")
@@ -57,6 +58,7 @@ def deployment(tmp_path_factory):
     store = SQLiteKeyStore(str(tmp_path_factory.mktemp("keys") / "keys.sqlite3"))
     key, raw = store.create("robot", scopes=("verify",), rpm=100_000, tpm=10_000_000)
     _, tight = store.create("tight", scopes=("verify",), rpm=4, tpm=10_000_000)
+    _, tpm = store.create("tpm", scopes=("verify",), rpm=100_000, tpm=5)
     state = ingress_state("test-ingress-state")
     apps = []
     for _ in range(2):
@@ -68,7 +70,7 @@ def deployment(tmp_path_factory):
     with BackgroundServer(apps[0][1]) as a, BackgroundServer(apps[1][1]) as b:
         yield {"a": a, "b": b, "router": apps[0][0], "signer": Signer.from_api_key(raw),
                "owner": key.key_id, "app": apps[0][1],
-               "tight": Signer.from_api_key(tight)}
+               "tight": Signer.from_api_key(tight), "tpm": Signer.from_api_key(tpm)}
     ray.shutdown()
 
 
@@ -170,6 +172,57 @@ def test_replay_refused_across_ingress_apps(deployment):
         b.close()
 
 
+async def _post(url: str, path: str, body: bytes, signer, accept: str | None = None):
+    """``(status, content type, body)`` of a signed POST."""
+    import aiohttp
+
+    h = {"content-type": "application/x-msgpack", **signer.headers("POST", path, body)}
+    if accept:
+        h["accept"] = accept
+    async with aiohttp.ClientSession() as s, s.post(url + path, data=body,
+                                                    headers=h) as r:
+        return r.status, r.content_type, await r.read()
+
+
+def test_streamed_verify_bad_input_and_token_budget(deployment):
+    """Through the ingress: a streamed verify request gets the final verdict alone in
+    the streamed content type (a retry: the same bytes, uncharged); a bad body gets a
+    400 JSON naming the field; a block the key's tpm cannot cover gets 429."""
+    url, signer = deployment["a"].url, deployment["tpm"]
+    info = wire.unpack(asyncio.run(_post(url, "/v1/sessions", wire.pack(
+        {"prompt_ids": [4, 5, 6], "max_new_tokens": 16}), signer))[2])
+    sid, path = int(info["session_id"]), f"/v1/sessions/{info['session_id']}/verify"
+
+    def block(seq, base, toks, pending=None, last=None):
+        return wire.VerifyRequest(sid, seq, base, info["config_id"], pending,
+                                  np.array(toks, dtype=np.int64), None, None,
+                                  last).encode(64)
+
+    def after(v: wire.VerifyResponse, toks) -> bytes:
+        """The next block after verdict ``v`` (the correction, if owed, as pending)."""
+        owed = deployment_state(sid)["awaiting_correction"]
+        return block(v.block_seq + 1, v.base_len, toks, v.next_token if owed else None,
+                     None if owed else v.next_token)
+
+    def deployment_state(s):
+        return json.loads(conftest.RawHTTP(url, signer)("GET", f"/v1/sessions/{s}")[1])
+
+    body = block(0, 3, [7, 8], last=6)                   # 3 tokens of the key's 5
+    st, ctype, first = asyncio.run(_post(url, path, body, signer, wire.STREAM_SEQ))
+    assert st == 200 and ctype == wire.STREAM_SEQ
+    items = wire.StreamReader(64).feed(first)
+    assert len(items) == 1 and isinstance(items[0], wire.VerifyResponse)
+    assert asyncio.run(_post(url, path, body, signer, wire.STREAM_SEQ))[2] == first
+    st, ctype, err = asyncio.run(_post(url, path, b"\x93\x01", signer))
+    assert st == 400 and ctype == "application/json" and json.loads(err)["error"]["field"]
+    one = after(items[0], [9])                           # 2 more: the retry was free
+    st, _, out = asyncio.run(_post(url, path, one, signer))
+    assert st == 200, out
+    st, _, err = asyncio.run(_post(url, path, after(wire.VerifyResponse.decode(out), [9]),
+                                   signer))
+    assert st == 429 and json.loads(err)["error"]["code"] == "token_rate_limited", err
+
+
 def test_failover_kill_one_replica_mid_generation(deployment, references):
     """8 concurrent greedy sessions over 2 replicas; replica 1 is killed once it has
     run some passes: every output is still target-only (none lost, none duplicated,
@@ -178,12 +231,17 @@ def test_failover_kill_one_replica_mid_generation(deployment, references):
     router = deployment["router"]
     victim = router.handles[1]
 
+    base = unwrap(ray.get(victim.stats.remote()))
+
     async def kill_mid_generation():
-        for _ in range(600):
+        """Kill the victim once it holds >= 2 new sessions and ran 6 passes for them;
+        returns its stats then (relative to before the run)."""
+        for _ in range(1000):
             st = unwrap(await victim.stats.remote())
+            st = {k: st[k] - base[k] for k in ("sessions", "passes")}
             if st["sessions"] >= 2 and st["passes"] >= 6:
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.01)
         ray.kill(victim, no_restart=True)
         return st
 

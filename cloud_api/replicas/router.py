@@ -51,6 +51,7 @@ class ReplicaRouter:
         self.handles = dict(handles)
         self.dead: set[int] = set()
         self._creates: OrderedDict = OrderedDict()
+        self._placing: dict[int, int] = {}    # slot -> creates in flight from here
         self._errors = _actor_errors()
 
     @property
@@ -101,12 +102,15 @@ class ReplicaRouter:
         return {s: v for s, v in got if v is not None}
 
     async def least_loaded(self) -> int:
-        """The live slot with the fewest open sessions (ties: lowest slot). Raises
-        ApiError 503 ``no_replica`` when none is alive."""
+        """The live slot with the fewest open sessions, counting the creates this
+        router has in flight there (a burst of creates spreads instead of herding onto
+        one replica; ties: lowest slot). Raises ApiError 503 ``no_replica`` when none
+        is alive."""
         stats = await self.broadcast("stats")
         if not stats:
             raise ApiError(503, "no_replica", "no verifier replica is alive")
-        return min(stats, key=lambda s: (stats[s]["sessions"], s))
+        return min(stats, key=lambda s: (stats[s]["sessions"] + self._placing.get(s, 0),
+                                         s))
 
     async def create(self, body: dict, owner: str | None) -> dict:
         """Create a session on the least-loaded live replica (a retried create with a
@@ -119,10 +123,13 @@ class ReplicaRouter:
                 slot = await self.least_loaded()
             if key:
                 self._remember(key, slot)
+            self._placing[slot] = self._placing.get(slot, 0) + 1
             try:
                 return await self.call(slot, "create", body, owner)
             except ReplicaGone:
                 continue                 # placed on another live replica
+            finally:
+                self._placing[slot] -= 1
         raise ApiError(503, "no_replica", "no verifier replica is alive")
 
     def _remember(self, key, slot: int) -> None:
