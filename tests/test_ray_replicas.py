@@ -281,3 +281,34 @@ def test_serve_help_documents_replicas_and_a_missing_extra_is_one_line():
     code, *lines = [x for x in r.stdout.splitlines() if x.strip()]
     assert code == "1" and len(lines) == 1, r.stdout + r.stderr
     assert 'pip install -c constraints.txt -e ".[ray]"' in lines[0]
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+def test_a_slow_replica_answers_503_and_a_lost_nonce_store_fails_closed():
+    """No hang: a replica call past ``call_timeout_s`` is a retryable 503; a shared
+    nonce cache whose actor is gone answers None (the auth middleware's 503), never
+    "fresh"."""
+    from cloud_api.replicas.router import ReplicaRouter
+    from cloud_api.sessions import ApiError
+
+    async def slow(*args):
+        await asyncio.sleep(5)
+
+    class Slow:
+        stats = _Method(slow)
+
+    async def lost(*args):
+        raise ray.exceptions.RayActorError()
+
+    class Lost:
+        check_and_add = _Method(lost)
+
+    router = ReplicaRouter({0: Slow()}, call_timeout_s=0.05)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(router.call(0, "stats"))
+    assert e.value.status == 503 and e.value.code == "replica_timeout"
+    assert asyncio.run(SharedNonceCache(Lost()).check_and_add("k", "n", 0.0)) is None

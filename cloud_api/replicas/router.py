@@ -42,13 +42,15 @@ def _evicted() -> ApiError:
 
 class ReplicaRouter:
     """Routes calls to replicas by slot. ``handles``: slot -> Ray actor handle of a
-    :class:`cloud_api.replicas.replica.VerifierReplica`."""
+    :class:`cloud_api.replicas.replica.VerifierReplica`; ``call_timeout_s``: seconds a
+    call may take (queue wait + target pass) before it answers 503."""
 
     CREATES_REMEMBERED = 4096   # (owner, request_id) -> slot: a retried create
                                 # goes where its first attempt went
 
-    def __init__(self, handles: dict[int, object]):
+    def __init__(self, handles: dict[int, object], call_timeout_s: float = 300.0):
         self.handles = dict(handles)
+        self.call_timeout_s = call_timeout_s
         self.dead: set[int] = set()
         self._creates: OrderedDict = OrderedDict()
         self._placing: dict[int, int] = {}    # slot -> creates in flight from here
@@ -66,15 +68,20 @@ class ReplicaRouter:
 
     async def call(self, slot: int, method: str, *args):
         """``handle.method(*args)`` on ``slot``, unwrapped. Raises ReplicaGone (dead or
-        unknown slot), ApiError (the replica's refusal)."""
+        unknown slot), ApiError (the replica's refusal; 503 ``replica_timeout`` past
+        ``call_timeout_s``: a retry is answered from the replay cache)."""
         h = self.handles.get(slot)
         if h is None or slot in self.dead:
             raise ReplicaGone(slot)
         try:
-            reply = await getattr(h, method).remote(*args)
+            reply = await asyncio.wait_for(getattr(h, method).remote(*args),
+                                           self.call_timeout_s)
         except self._errors:
             self.mark_dead(slot)
             raise ReplicaGone(slot) from None
+        except asyncio.TimeoutError:
+            raise ApiError(503, "replica_timeout", f"the verifier replica did not answer "
+                           f"in {self.call_timeout_s:g} s: retry", "session_id") from None
         return unwrap(reply)
 
     async def for_session(self, sid: str, method: str, *args):

@@ -61,13 +61,18 @@ def ingress_state(name: str = STATE_ACTOR, **kw):
 
 class SharedNonceCache:
     """A nonce cache whose entries live in the shared actor: ``check_and_add`` returns
-    an awaitable (the auth middleware awaits it). Args: handle of the actor."""
+    an awaitable (the auth middleware awaits it). Fails closed: an unreachable actor
+    answers None (the middleware's 503 with ``Retry-After``), never "fresh".
+    Args: handle of the actor."""
 
     def __init__(self, handle):
         self.handle = handle
 
-    def check_and_add(self, key_id: str, nonce: str, now: float):
-        return self.handle.check_and_add.remote(key_id, nonce, now)
+    async def check_and_add(self, key_id: str, nonce: str, now: float) -> bool | None:
+        try:
+            return await self.handle.check_and_add.remote(key_id, nonce, now)
+        except ray.exceptions.RayError:
+            return None
 
 
 class RayStorage(Storage, MovingWindowSupport):
