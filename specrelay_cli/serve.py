@@ -82,6 +82,18 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
     return app, (f"; early exit: layer {head.layer} ({head.name})" if head else "")
 
 
+def _build_app(replicas: int, ray_address: str | None, early_exit, kw: dict) -> tuple:
+    """``(app, where it verifies, early-exit note)``: the embedded server, or the
+    ingress over Ray replicas (``--replicas`` > 1 or ``--ray-address``)."""
+    if replicas > 1 or ray_address:
+        from specrelay_cli.serve_ray import serve_replicated
+
+        app, where = serve_replicated(replicas=replicas, ray_address=ray_address, **kw)
+        return app, f" over {where}", ""
+    app, note = _embedded_app(early_exit=early_exit, **kw)
+    return app, "", note
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on (0.0.0.0: every interface).")
@@ -158,28 +170,21 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     from aiohttp import web
 
     from edge_sdk.models import resolve_dtype
-
     store, auth = None, "NONE (--insecure-no-auth: requests are not authenticated)"
     if not insecure_no_auth:
         store, auth = _open_key_store(keys_db)
     ssl_ctx = _tls_context(tls_cert, tls_key)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     metrics_address = None if metrics_port is None else (metrics_host, metrics_port)
-    kw = dict(model=model, dtype=dtype, threads=threads, max_batch=max_batch,
-              max_wait_ms=max_wait_ms, store=store, metrics_address=metrics_address,
-              unauth_rpm=unauth_rpm)
-    if replicas > 1 or ray_address:
-        from specrelay_cli.serve_ray import serve_replicated
-
-        app, where = serve_replicated(replicas=replicas, ray_address=ray_address, **kw)
-        where, note = f" over {where}", ""
-    else:
-        (app, note), where = _embedded_app(early_exit=early_exit, **kw), ""
-    scheme = "https" if ssl_ctx else "http"
-    click.echo(f"serving {model} ({resolve_dtype(dtype)}) on {scheme}://{host}:{port}"
-               f"{where}; auth: {auth}{note}" + (f"; metrics on http://{metrics_host}:"
-                                           f"{metrics_port}/metrics" if metrics_port
-                                           else ""), err=True)
+    kw = {"model": model, "dtype": dtype, "threads": threads, "max_batch": max_batch,
+          "max_wait_ms": max_wait_ms, "store": store, "unauth_rpm": unauth_rpm,
+          "metrics_address": metrics_address}
+    app, where, note = _build_app(replicas, ray_address, early_exit, kw)
+    metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if \
+        metrics_port else ""
+    click.echo(f"serving {model} ({resolve_dtype(dtype)}) on "
+               f"{'https' if ssl_ctx else 'http'}://{host}:{port}{where}; auth: {auth}"
+               f"{note}{metrics}", err=True)
     # our structured access log replaces aiohttp's (which would log user agents etc.)
     web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30,
                 access_log=None, print=None)
