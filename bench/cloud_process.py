@@ -87,7 +87,7 @@ async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -
 
     server_kw = dict(server_kw)
     if "early_exit" in server_kw:             # FSD modes: the preset's exit head
-        from cloud_api.early_exit import early_head_for
+        from cloud_api.exit_select import early_head_for
 
         server_kw["early_head"] = early_head_for(model, tok, server_kw.pop("early_exit"),
                                                  server_kw.pop("early_exit_preset", None))

@@ -68,7 +68,7 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
     """The single-server app (target loaded in this process): ``(app, the start-up
     line's early-exit note)``. Raises click.BadParameter (--early-exit)."""
     from cloud_api.app import create_app
-    from cloud_api.early_exit import early_head_for
+    from cloud_api.exit_select import early_head_for
     from edge_sdk.models import load_model
 
     target, tok = load_model(model, dtype=dtype, threads=threads)

@@ -46,7 +46,8 @@ def test_every_command_is_registered():
     import click
 
     assert set(specrelay_cli.main.commands) == {
-        "serve", "generate", "demo", "edge-serve", "keys", "export", "draft", "bench"}
+        "serve", "generate", "demo", "edge-serve", "keys", "export", "draft", "bench",
+        "fsd"}
     draft = specrelay_cli.main.commands["draft"]
     assert draft.list_commands(click.Context(draft)) == ["distill"]
 

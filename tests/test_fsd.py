@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from cloud_api.app import create_app
-from cloud_api.early_exit import early_head_for, untrained_head
+from cloud_api.early_exit import untrained_head
+from cloud_api.exit_select import early_head_for
 from cloud_api.early_verdict import provisional_verdict
 from cloud_api.inprocess import InProcessTransport
 from cloud_api.server import BackgroundServer
