@@ -21,6 +21,9 @@ def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: i
                      store, metrics_address, unauth_rpm: int) -> tuple:
     """Connect to Ray (``ray_address``; None: start a local cluster), spawn (or find,
     by name) ``replicas`` replicas loading ``model`` each, and build the ingress app.
+    On an existing cluster the replicas and the shared state are detached (the next
+    ingress worker finds them; they end with the cluster); on a local one they end
+    with this process.
     Returns ``(app, description)``. Raises ModuleNotFoundError (no ``[ray]`` extra),
     click.ClickException (a replica failed to load the target)."""
     from cloud_api.replicas import cluster
@@ -33,13 +36,14 @@ def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: i
     try:
         router, info = asyncio.run(cluster.start_replicas(
             model, replicas, num_cpus=threads or 1, dtype=dtype, threads=threads,
-            max_batch=max_batch, max_wait_s=max_wait_ms / 1000))
+            max_batch=max_batch, max_wait_s=max_wait_ms / 1000,
+            detached=ray_address is not None))
     except Exception as e:   # noqa: BLE001 - a replica's load error, in one line
         raise click.ClickException(f"a verifier replica failed to start: "
                                    f"{str(e).strip().splitlines()[-1]}") from None
     shared = {}
     if store is not None:
-        state = ingress_state()
+        state = ingress_state(detached=ray_address is not None)
         shared = {"nonce_cache": SharedNonceCache(state), "storage": RayStorage(handle=state)}
     app = create_replicated_app(router, info, key_store=store,
                                 unauth_per_window=unauth_rpm or None,

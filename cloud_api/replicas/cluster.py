@@ -37,16 +37,19 @@ def replica_name(slot: int, prefix: str = "specrelay-verifier") -> str:
     return f"{prefix}-{slot}"
 
 
-def _spawn(target, slot: int, num_cpus: float, prefix: str, service_kw: dict):
-    """A replica actor of ``slot`` (named, so other ingress workers find it)."""
+def _spawn(target, slot: int, num_cpus: float, prefix: str, detached: bool,
+           service_kw: dict):
+    """A replica actor of ``slot`` (named, so other ingress workers find it; detached:
+    it outlives the process that started it)."""
     actor = ray.remote(VerifierReplica).options(
         name=replica_name(slot, prefix), get_if_exists=True, num_cpus=num_cpus,
-        max_concurrency=1000, max_restarts=0)
+        max_concurrency=1000, max_restarts=0,
+        lifetime="detached" if detached else None)
     return actor.remote(target, slot, **service_kw)
 
 
 async def start_replicas(target, n: int, *, num_cpus: float = 1.0,
-                         prefix: str = "specrelay-verifier",
+                         prefix: str = "specrelay-verifier", detached: bool = False,
                          **service_kw) -> tuple[ReplicaRouter, dict]:
     """Spawn (or find, by name) ``n`` replicas of ``target`` and wait until each has
     loaded it. Returns ``(router, info)``, ``info`` the replicas' common
@@ -56,6 +59,9 @@ async def start_replicas(target, n: int, *, num_cpus: float = 1.0,
         target: model spec or picklable factory
             (:func:`cloud_api.replicas.replica.load_target`).
         n: replicas, 1..SLOTS. num_cpus: CPUs Ray reserves for each.
+        detached: replicas outlive this process (several ingress workers on a shared
+            cluster; they end with the cluster or ``ray.kill``); otherwise they end
+            with it.
         service_kw: :class:`VerifierReplica` options (dtype, threads, max_batch, ...).
     Raises:
         ValueError: ``n`` out of range, or replicas that disagree on the target.
@@ -63,7 +69,8 @@ async def start_replicas(target, n: int, *, num_cpus: float = 1.0,
     """
     if not 1 <= n <= SLOTS:
         raise ValueError(f"replicas must be in [1, {SLOTS}]")
-    handles = {i: _spawn(target, i, num_cpus, prefix, service_kw) for i in range(n)}
+    handles = {i: _spawn(target, i, num_cpus, prefix, detached, service_kw)
+               for i in range(n)}
     infos = [unwrap(r) for r in await asyncio.gather(
         *(h.info.remote() for h in handles.values()))]
     common = [{k: v for k, v in i.items() if k != "slot"} for i in infos]

@@ -52,11 +52,13 @@ class IngressState:
         return getattr(self.storage, method)(*args, **kwargs)
 
 
-def ingress_state(name: str = STATE_ACTOR, **kw):
+def ingress_state(name: str = STATE_ACTOR, detached: bool = False, **kw):
     """The named shared-state actor, created on first use (``get_if_exists``: every
-    ingress worker that asks for ``name`` gets the same one). Needs ``ray.init``."""
+    ingress worker that asks for ``name`` gets the same one; ``detached``: it outlives
+    the process that created it). Needs ``ray.init``."""
     return ray.remote(IngressState).options(
-        name=name, get_if_exists=True, num_cpus=0, max_concurrency=1).remote(**kw)
+        name=name, get_if_exists=True, num_cpus=0, max_concurrency=1,
+        lifetime="detached" if detached else None).remote(**kw)
 
 
 class SharedNonceCache:
