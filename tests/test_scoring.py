@@ -164,6 +164,40 @@ def test_sglang_scorer_against_a_fake_engine(target, draft, tok):
     assert out == ref
 
 
+def _fake_vllm(model) -> web.Application:
+    """``POST /v1/completions`` with ``prompt_logprobs`` in vLLM's format."""
+    async def completions(request):
+        body = await request.json()
+        choices = []
+        for i, ids in enumerate(body["prompt"]):
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+            top = torch.topk(lp, body["prompt_logprobs"], -1)
+            rows = [None] + [
+                {str(int(t)): {"logprob": float(v), "rank": r + 1}
+                 for r, (v, t) in enumerate(zip(top.values[j - 1], top.indices[j - 1]))}
+                | {str(ids[j]): {"logprob": float(lp[j - 1, ids[j]]), "rank": 99}}
+                for j in range(1, len(ids))]
+            choices.append({"index": i, "text": "", "prompt_logprobs": rows})
+        return web.json_response({"choices": choices})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def test_vllm_scorer_against_a_fake_engine(target, draft, tok):
+    from cloud_api.scoring.vllm import VLLMScorer
+
+    with BackgroundServer(_fake_vllm(target)) as srv:
+        scorer = VLLMScorer(srv.url, "tiny", N_TOP)
+        svc = CloudService(None, tok, verifier=_scoring(target, scorer))
+        out = asyncio.run(_generate(svc, draft, tok, PROMPTS[:2]))
+    ref = asyncio.run(_generate(CloudService(target, tok), draft, tok, PROMPTS[:2],
+                                target_only=True))
+    assert out == ref
+
+
 def test_an_unreachable_engine_is_a_retryable_503(target, tok):
     v = _scoring(target, SGLangScorer("http://127.0.0.1:9", N_TOP, timeout_s=2))
     s = Session(1, None, SamplingConfig(), 0, "asym", 8, 2, 16, None, [4, 5, 6], 3)

@@ -7,6 +7,7 @@
   position), then applies our acceptance rule, residual and certificates to those
   rows. Exact only where the rows suffice (:mod:`~cloud_api.scoring.exactness`);
 * scorers: :class:`~cloud_api.scoring.sglang.SGLangScorer` (SGLang ``/generate`` with
-  input logprobs), :class:`~cloud_api.scoring.local.ModelScorer` (a local HF model's
+  input logprobs), :class:`~cloud_api.scoring.vllm.VLLMScorer` (vLLM completions with
+  prompt logprobs), :class:`~cloud_api.scoring.local.ModelScorer` (a local HF model's
   top-N: tests and the conformance check).
 """

@@ -15,10 +15,7 @@ not part of the test suite.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
+from cloud_api.scoring.http import post_json
 from cloud_api.scoring.verifier import ScoringError
 
 __all__ = ["SGLangScorer"]
@@ -40,19 +37,10 @@ class SGLangScorer:
                 "top_logprobs_num": self.top_n, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
 
-    def _post(self, body: dict):
-        req = urllib.request.Request(self.url + "/generate", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                return json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ScoringError(f"SGLang at {self.url}: {e}") from None
-
     def score(self, rows: list[tuple[list[int], list[int]]]) -> list[list[dict[int, float]]]:
         """Per row the g + 1 position scores (token id -> logprob). Raises ScoringError
         (unreachable, an HTTP error, or an answer not in the documented shape)."""
-        out = self._post(self.request_body(rows))
+        out = post_json(self.url + "/generate", self.request_body(rows), self.timeout_s)
         out = out if isinstance(out, list) else [out]
         if len(out) != len(rows):
             raise ScoringError("SGLang answered a different number of sequences")
