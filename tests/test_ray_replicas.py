@@ -167,6 +167,10 @@ def test_replay_refused_across_ingress_apps(deployment):
         assert got[:4] == [404] * 4 and got[4:] == [429, 429], got
         ta.close()
         tb.close()
+        from limits.storage import storage_from_string
+
+        by_uri = storage_from_string("ray://test-ingress-state")   # the same actor
+        assert isinstance(by_uri, RayStorage) and by_uri.check()
     finally:
         a.close()
         b.close()
