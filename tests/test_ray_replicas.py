@@ -51,6 +51,7 @@ def deployment(tmp_path_factory):
     """Local Ray cluster, two replicas, shared ingress state, two signed ingress apps
     (A, B: two workers' routers over the same named replicas) and a key."""
     # the workers import this module for target_pair (and the repository first)
+    saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [ROOT, os.path.join(ROOT, "tests")] + os.environ.get("PYTHONPATH", "").split(
             os.pathsep))
@@ -72,6 +73,10 @@ def deployment(tmp_path_factory):
                "owner": key.key_id, "app": apps[0][1],
                "tight": Signer.from_api_key(tight), "tpm": Signer.from_api_key(tpm)}
     ray.shutdown()
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture(scope="module")
