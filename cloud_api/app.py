@@ -58,9 +58,11 @@ async def error_middleware(request: web.Request, handler):
 
 
 def _middlewares(metrics, key_store, rate_window_s: int,
-                 unauth_per_window: int | None) -> list:
+                 unauth_per_window: int | None, nonce_cache=None, storage=None) -> list:
     """Metrics outermost, then the JSON errors, then (with a key store) the per-IP budget
-    of unauthenticated requests, signature verification and the per-key rate limits."""
+    of unauthenticated requests, signature verification and the per-key rate limits.
+    ``nonce_cache`` / ``storage``: a replay cache and a ``limits`` storage shared by
+    several ingress workers (default: this process's own)."""
     from cloud_api.metrics import metrics_middleware
 
     mws = [metrics_middleware(metrics), error_middleware]
@@ -71,9 +73,11 @@ def _middlewares(metrics, key_store, rate_window_s: int,
 
         if unauth_per_window is not None:
             mws.append(unauthenticated_ip_middleware(unauth_per_window,
-                                                     window_s=rate_window_s))
-        mws += [auth_middleware(key_store),
-                ratelimit_middleware(RateLimiter(window_s=rate_window_s, store=key_store))]
+                                                     window_s=rate_window_s,
+                                                     storage=storage))
+        mws += [auth_middleware(key_store, nonce_cache=nonce_cache),
+                ratelimit_middleware(RateLimiter(window_s=rate_window_s, store=key_store,
+                                                 storage=storage))]
     return mws
 
 

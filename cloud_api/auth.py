@@ -26,12 +26,14 @@ the :class:`cloud_api.keys.ApiKey`.  Rejections are JSON
 =====  =========================  ============================================
 
 The nonce cache is per process: run several workers only behind sticky routing
-or replace :class:`NonceCache` with a shared implementation (same method).
+or pass a shared implementation as ``nonce_cache`` (same method; it may answer with
+an awaitable: :class:`cloud_api.replicas.shared_state.SharedNonceCache`).
 """
 
 from __future__ import annotations
 
 import hmac
+import inspect
 import time
 from collections import OrderedDict
 from typing import Callable, Iterable
@@ -168,10 +170,13 @@ def _check_key(store: KeyStore, key_id: str, alg: str, sig, msg):
     return key
 
 
-def _check_nonce(nonces: NonceCache, key_id: str, nonce: str, now: float) -> None:
+async def _check_nonce(nonces: NonceCache, key_id: str, nonce: str, now: float) -> None:
     """Raises _Denied: a replayed nonce (401), or a full replay cache (503, fail
-    closed)."""
+    closed). A shared cache may answer with an awaitable (one held by another
+    process: :class:`cloud_api.replicas.shared_state.SharedNonceCache`)."""
     fresh = nonces.check_and_add(key_id, nonce, now)
+    if inspect.isawaitable(fresh):
+        fresh = await fresh
     if fresh is None:
         raise _Denied("nonce_cache_full", "try again later", 503, {"Retry-After": "1"})
     if not fresh:
@@ -191,7 +196,7 @@ async def _authenticate(request: web.Request, store: KeyStore, nonces: NonceCach
     if not hmac.compare_digest(sg.body_digest(body), digest):
         raise _Denied("digest_mismatch", "body does not match content digest")
     key = _check_key(store, key_id, alg, sig, msg)
-    _check_nonce(nonces, key.key_id, nonce, now)
+    await _check_nonce(nonces, key.key_id, nonce, now)
     return key
 
 

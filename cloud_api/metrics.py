@@ -120,7 +120,8 @@ def metrics_middleware(m: ApiMetrics):
 async def metrics_handler(request: web.Request) -> web.Response:
     m: ApiMetrics = request.app[METRICS]
     svc = request.app.get(SERVICE)
-    if svc is not None:               # gauges follow deletes, expiry and evictions
+    if getattr(svc, "sessions", None) is not None:   # gauges follow deletes, expiry and
+        # evictions (an ingress in front of verifier replicas holds no sessions itself)
         svc.sessions.expire()
         m.sessions.set(len(svc.sessions))
         m.evictions.set(svc.sessions.evictions)

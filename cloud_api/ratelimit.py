@@ -29,8 +29,8 @@ from limits.strategies import MovingWindowRateLimiter
 from cloud_api.auth import error_response
 from cloud_api.keys import ApiKey, KeyStore, QuotaExceeded
 
-__all__ = ["LimitState", "RateLimitExceeded", "RateLimiter", "ratelimit_middleware",
-           "unauthenticated_ip_middleware"]
+__all__ = ["LimitState", "RateLimitExceeded", "RateLimiter", "TokenCharge",
+           "ratelimit_middleware", "unauthenticated_ip_middleware"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,34 @@ class RateLimiter:
             self.store.record_usage(key.key_id, n)
         self._lim.hit(item, acct, cost=n)
         return self._state(item, acct, True)
+
+    def can_consume(self, key: ApiKey, n: int) -> bool:
+        """Whether :meth:`consume_tokens` of ``n`` tokens would pass now (the window
+        and the key's quota as last read); charges nothing."""
+        if key.quota is not None and key.used_tokens + n > key.quota:
+            return False
+        return n <= 0 or self._lim.test(self._item(key.tpm, "sr-tok"), key.account_id,
+                                        cost=n)
+
+    def charge_for(self, key: ApiKey) -> "TokenCharge":
+        """The verified-token charge of one request of ``key`` (handlers call it)."""
+        return TokenCharge(self, key)
+
+
+class TokenCharge:
+    """``charge(n)``: charge ``n`` verified tokens to a key (raises as
+    :meth:`RateLimiter.consume_tokens`); ``charge.can(n)``: would it pass now. A
+    handler that runs the work elsewhere (a verifier replica) asks ``can`` first and
+    charges after the work ran."""
+
+    def __init__(self, limiter: RateLimiter, key: ApiKey):
+        self.limiter, self.key = limiter, key
+
+    def __call__(self, n: int) -> LimitState:
+        return self.limiter.consume_tokens(self.key, n)
+
+    def can(self, n: int) -> bool:
+        return self.limiter.can_consume(self.key, n)
 
 
 def ratelimit_middleware(limiter: RateLimiter):

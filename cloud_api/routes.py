@@ -57,7 +57,7 @@ async def verify(request: web.Request) -> web.StreamResponse:
     limiter, key = request.get("ratelimiter"), request.get("api_key")
     charge = None
     if limiter is not None and key is not None:
-        charge = lambda n: limiter.consume_tokens(key, n)  # noqa: E731
+        charge = limiter.charge_for(key)
     args = (request.match_info["sid"], await request.read(), _owner(request), charge)
     if wire.STREAM_SEQ not in request.headers.get("Accept", ""):
         return web.Response(body=await svc.verify(*args), content_type=MSGPACK)
@@ -113,20 +113,17 @@ async def correction(request: web.Request) -> web.Response:
 
 async def get_session(request: web.Request) -> web.Response:
     svc: CloudService = request.app[SERVICE]
-    return web.json_response(svc.sessions.get(request.match_info["sid"],
-                                              _owner(request)).state())
+    return web.json_response(await svc.state(request.match_info["sid"], _owner(request)))
 
 
 async def delete_session(request: web.Request) -> web.Response:
-    request.app[SERVICE].delete(request.match_info["sid"], _owner(request))
+    await request.app[SERVICE].remove(request.match_info["sid"], _owner(request))
     return web.json_response({"deleted": True})
 
 
 async def healthz(request: web.Request) -> web.Response:
     svc: CloudService = request.app[SERVICE]
-    return web.json_response({"status": "ok", "sessions": len(svc.sessions),
-                              "vocab_size": svc.verifier.vocab_size,
-                              "tokenizer_hash": svc.fingerprint})
+    return web.json_response(await svc.health())
 
 
 def add_routes(app: web.Application) -> None:

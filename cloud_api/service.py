@@ -31,20 +31,25 @@ def kv_bytes_per_token(model) -> int:
 
 
 class CloudService:
-    """Owns the target model, the sessions and the verification queue."""
+    """Owns the target model, the sessions and the verification queue.
+
+    ``verifier``: a :class:`cloud_api.scoring.interface.VerifierBackend` other than the
+    torch verifier of ``model`` (e.g. :class:`cloud_api.scoring.verifier.
+    ScoringVerifier`; ``model`` may then be None: no KV cache of ours)."""
 
     def __init__(self, model, tokenizer, *, max_block: int = MAX_DRAFT_TOKENS, max_batch: int = 8,
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
                  max_sessions: int = 256, max_sessions_per_key: int = 64,
                  kv_budget_bytes: int | None = None, threads: int | None = None,
-                 metrics=None, early_head=None):
+                 metrics=None, early_head=None, verifier=None):
         self.model, self.tokenizer = model, tokenizer
-        self.verifier = Verifier(model, max_block, early_head)
+        self.verifier = verifier or Verifier(model, max_block, early_head)
         if metrics is not None:
             self.verifier.on_early_outcome = (
                 lambda hit: metrics.early_verdicts.labels("hit" if hit else "miss").inc())
         self.sessions = SessionStore(session_ttl_s, max_sessions, max_sessions_per_key,
-                                     kv_budget_bytes, kv_bytes_per_token(model))
+                                     kv_budget_bytes,
+                                     kv_bytes_per_token(model) if model is not None else 0)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="target")
         self.queue = VerifyQueue(self.verifier, self.executor, max_batch, max_wait_s,
                                  metrics.observe_batch if metrics else None)
@@ -128,9 +133,10 @@ class CloudService:
         self.sessions.check_owner_limit(owner)   # before spending a prefill
         s = Session(self.sessions.new_id(), owner, m["sampling"], m["seed"], m["mode"],
                     m["support_k"], m["n_proposals"], m["max_new_tokens"],
-                    KVModel(self.model), list(ids), len(ids))
+                    KVModel(self.model) if self.model is not None else None,
+                    list(ids), len(ids))
         loop = asyncio.get_running_loop()
-        prefill_s = await loop.run_in_executor(self.executor, self.verifier.prefill, s)
+        prefill_s = await loop.run_in_executor(self.executor, self.verifier.open, s)
         self.sessions.add(s)
         if self.metrics is not None:
             self.metrics.sessions.set(len(self.sessions))
@@ -188,6 +194,30 @@ class CloudService:
             return out
 
     def delete(self, sid: str, owner: str | None) -> None:
+        """Remove a session. Raises ApiError 404 (unknown, evicted or foreign)."""
         s = self.sessions.get(sid, owner)
         self.sessions.remove(s.id)
         self._locks.pop(s.id, None)
+        self.verifier.close(s)
+
+    # the route-facing calls that a replicated service answers remotely
+    # (:class:`cloud_api.replicas.ingress.RoutedService` has the same ones)
+
+    async def state(self, sid: str, owner: str | None) -> dict:
+        """The confirmed state of a session (JSON map). Raises ApiError 404."""
+        return self.sessions.get(sid, owner).state()
+
+    async def remove(self, sid: str, owner: str | None) -> None:
+        """:meth:`delete`, awaitable. Raises ApiError 404."""
+        self.delete(sid, owner)
+
+    async def health(self) -> dict:
+        """``GET /healthz``'s map: open sessions, vocabulary size, tokenizer hash."""
+        return {"status": "ok", "sessions": len(self.sessions),
+                "vocab_size": self.verifier.vocab_size, "tokenizer_hash": self.fingerprint}
+
+    def stats(self) -> dict:
+        """Load figures: open sessions, KV-cache bytes they hold, target passes and
+        seconds (the replica router's least-loaded choice reads ``sessions``)."""
+        return {"sessions": len(self.sessions), "kv_bytes": self.sessions.kv_bytes(),
+                "passes": self.verifier.passes, "target_s": self.verifier.target_seconds}

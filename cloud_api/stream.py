@@ -161,6 +161,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """``POST /v1/sessions/{sid}/generate``: stream target-only tokens (module doc)."""
     svc = request.app[SERVICE]
     s: Session = svc.sessions.get(request.match_info["sid"], owner(request))
+    if s.kv is None:
+        raise ApiError(501, "not_supported", "target-only streaming needs the target in "
+                       "this process (this server verifies through a scoring engine)",
+                       "path")
     limit = _limit(s, await _read_options(request))
     ndjson = STREAM_NDJSON in request.headers.get("Accept", "")
     limiter, key = request.get("ratelimiter"), request.get("api_key")

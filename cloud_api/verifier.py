@@ -190,28 +190,50 @@ class Verifier:
                 block: list[int], logits: torch.Tensor, target_s: float) -> VerifyResponse:
         """Apply the acceptance rule to the target logits [g+1, V] of one block and
         commit: confirmed += accepted drafts (+ next token); cache = confirmed[:-1]."""
+        a, nxt, corr, p_rej, ties = self._verdict(s, req, context, block, logits)
+        self._crop(s, len(context) + a)
+        s.tokens = context + block[:a] + ([nxt] if nxt is not None else [])
+        s.awaiting = corr is not None
+        s.pending_p = (req.block_seq, p_rej) if corr is not None else None
+        s.next_seq += 1
+        self._check_cache(s)
+        self.target_seconds += target_s
+        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s, ties)
+
+    def _verdict(self, s: Session, req: VerifyRequest, context: list[int],
+                 block: list[int], logits: torch.Tensor) -> tuple:
+        """The decision on one block from its target logits [g+1, V] (rows after
+        ``context + block[:i]``; ``-inf`` where a scoring backend returned no score):
+        (accepted, next token or None, Correction or None, rejected p row or None,
+        near-tie offsets). Mutates nothing."""
         seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long),
                                 self.vocab_size) if s.cfg.repetition_penalty != 1.0 else None)
         x = S.process_logits(logits, s.cfg, seen)               # float64 [g+1, V]
         # indexed by the block's position, not its sequence number: a session re-created
         # from the confirmed prefix after a restart draws exactly what the lost one would
         gen = rng.generator(s.seed, rng.VERIFY, len(context))
-        corr, p_rej, ties = None, None, ()
         if s.cfg.greedy:
             a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
-            ties = self.tie_offsets(x[: a + 1])
-        else:
-            p = torch.softmax(x, dim=-1)
-            a, nxt, corr, p_rej = self._sample_verdict(s, req, logits, p, context, block,
-                                                       gen)
-        s.kv.crop(len(context) + a)
-        s.tokens = context + block[:a] + ([nxt] if nxt is not None else [])
-        s.awaiting = corr is not None
-        s.pending_p = (req.block_seq, p_rej) if corr is not None else None
-        s.next_seq += 1
+            return a, nxt, None, None, self.tie_offsets(x[: a + 1])
+        p = torch.softmax(x, dim=-1)
+        a, nxt, corr, p_rej = self._sample_verdict(s, req, logits, p, context, block, gen)
+        return a, nxt, corr, p_rej, ()
+
+    def _crop(self, s: Session, length: int) -> None:
+        """Keep the first ``length`` positions of the session's target cache."""
+        s.kv.crop(length)
+
+    def _check_cache(self, s: Session) -> None:
         s.check_kv()
-        self.target_seconds += target_s
-        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s, ties)
+
+    # the verifier interface (cloud_api.scoring.interface.VerifierBackend)
+
+    def open(self, s: Session) -> float:
+        """A new session: prefill its cache (:meth:`prefill`). Returns seconds."""
+        return self.prefill(s)
+
+    def close(self, s: Session) -> None:
+        """A session's end: its cache goes with the session object."""
 
     def tie_offsets(self, logits: torch.Tensor) -> tuple:
         """Offsets of the rows of ``logits`` [n, V] (the committed greedy positions) whose

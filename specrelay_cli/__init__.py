@@ -26,7 +26,7 @@ __all__ = ["main", "EXTRA_OF_MODULE"]
 
 EXTRA_OF_MODULE = {"onnxruntime": "edge", "onnx": "export", "onnxscript": "export",
                    "limits": "cloud", "prometheus_client": "cloud", "matplotlib": "bench",
-                   "xllamacpp": "bench", "tensorrt": "jetson"}
+                   "xllamacpp": "bench", "tensorrt": "jetson", "ray": "ray"}
 """Optional imports -> the pyproject extra that installs them."""
 
 

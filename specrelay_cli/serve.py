@@ -63,6 +63,37 @@ def _tls_context(tls_cert: str | None, tls_key: str | None):
     return ssl_ctx
 
 
+def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
+                  metrics_address, unauth_rpm, early_exit) -> tuple:
+    """The single-server app (target loaded in this process): ``(app, the start-up
+    line's early-exit note)``. Raises click.BadParameter (--early-exit)."""
+    from cloud_api.app import create_app
+    from cloud_api.exit_select import early_head_for
+    from edge_sdk.models import load_model
+
+    target, tok = load_model(model, dtype=dtype, threads=threads)
+    try:
+        head = early_head_for(target, tok, early_exit, model)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--early-exit") from None
+    app = create_app(target, tok, key_store=store, max_batch=max_batch,
+                     max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
+                     unauth_per_window=unauth_rpm or None, early_head=head)
+    return app, (f"; early exit: layer {head.layer} ({head.name})" if head else "")
+
+
+def _build_app(replicas: int, ray_address: str | None, early_exit, kw: dict) -> tuple:
+    """``(app, where it verifies, early-exit note)``: the embedded server, or the
+    ingress over Ray replicas (``--replicas`` > 1 or ``--ray-address``)."""
+    if replicas > 1 or ray_address:
+        from specrelay_cli.serve_ray import serve_replicated
+
+        app, where = serve_replicated(replicas=replicas, ray_address=ray_address, **kw)
+        return app, f" over {where}", ""
+    app, note = _embedded_app(early_exit=early_exit, **kw)
+    return app, "", note
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on (0.0.0.0: every interface).")
@@ -99,10 +130,20 @@ def _tls_context(tls_cert: str | None, tls_key: str | None):
               help="FSD early verdicts (streamed to clients that ask, before the final "
               "one): auto = the preset's calibrated exit layer if its fitted head is cached "
               "(specrelay fsd calibrate), else off; fit = fit it now if missing (about a "
-              "minute); LAYER = that decoder layer.")
+              "minute); LAYER = that decoder layer. Single server only (--replicas 1).")
+@click.option("--replicas", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Verifier replicas on Ray (needs the [ray] extra), each loading the "
+              "target and holding its own sessions; this server stays the signed ingress "
+              "and sends every request of a session to its replica. 1 without "
+              "--ray-address: one embedded server, no Ray.")
+@click.option("--ray-address", default=None, metavar="HOST:PORT|auto",
+              help="Join this Ray cluster (replicas go where it has CPUs; several "
+              "`serve` ingress workers on one cluster share the replicas, the replay "
+              "cache and the rate limits). Default with --replicas > 1: start a local "
+              "cluster.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
           insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host,
-          early_exit):
+          early_exit, replicas, ray_address):
     """Serve the signed verification API for a target model.
 
     \b
@@ -115,6 +156,11 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     with --metrics-port (its own listener, default interface 127.0.0.1) or a firewall.
     Each request is logged on stderr as one JSON line: endpoint, status, seconds,
     bytes_in, key_id, session (never prompts, tokens or secrets).
+
+    Scale-out: --replicas N runs N verifier replicas on Ray (local cluster, or
+    --ray-address); a replica that dies costs its sessions a re-creation from the
+    confirmed prefix (the SDK does it). Streamed verify answers carry the final verdict
+    only; /generate (target-only streaming) is single-server only.
     """
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
@@ -123,29 +169,23 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
 
     from aiohttp import web
 
-    from cloud_api.app import create_app
-    from cloud_api.exit_select import early_head_for
-    from edge_sdk.models import load_model, resolve_dtype
+    from edge_sdk.models import resolve_dtype
 
     store, auth = None, "NONE (--insecure-no-auth: requests are not authenticated)"
     if not insecure_no_auth:
         store, auth = _open_key_store(keys_db)
     ssl_ctx = _tls_context(tls_cert, tls_key)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    target, tok = load_model(model, dtype=dtype, threads=threads)
-    try:
-        head = early_head_for(target, tok, early_exit, model)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--early-exit") from None
     metrics_address = None if metrics_port is None else (metrics_host, metrics_port)
-    app = create_app(target, tok, key_store=store, max_batch=max_batch,
-                     max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
-                     unauth_per_window=unauth_rpm or None, early_head=head)
-    scheme = "https" if ssl_ctx else "http"
-    click.echo(f"serving {model} ({resolve_dtype(dtype)}) on {scheme}://{host}:{port}; "
-               f"auth: {auth}" + (f"; early exit: layer {head.layer} ({head.name})" if head
-                                  else "") + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
-                                  if metrics_port else ""), err=True)
+    kw = {"model": model, "dtype": dtype, "threads": threads, "max_batch": max_batch,
+          "max_wait_ms": max_wait_ms, "store": store, "unauth_rpm": unauth_rpm,
+          "metrics_address": metrics_address}
+    app, where, note = _build_app(replicas, ray_address, early_exit, kw)
+    metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if \
+        metrics_port else ""
+    click.echo(f"serving {model} ({resolve_dtype(dtype)}) on "
+               f"{'https' if ssl_ctx else 'http'}://{host}:{port}{where}; auth: {auth}"
+               f"{note}{metrics}", err=True)
     # our structured access log replaces aiohttp's (which would log user agents etc.)
     web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, shutdown_timeout=30,
                 access_log=None, print=None)
