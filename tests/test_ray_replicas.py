@@ -32,7 +32,7 @@ from cloud_api.server import BackgroundServer  # noqa: E402
 from cloud_api.service import CloudService  # noqa: E402
 from edge_sdk import EdgeClient  # noqa: E402
 from edge_sdk.drafters.torch import TorchDrafter  # noqa: E402
-from edge_sdk.protocol import wire  # noqa: E402
+from edge_sdk.protocol import frames, wire  # noqa: E402
 from edge_sdk.protocol.signing import Signer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,7 +219,7 @@ def test_streamed_verify_bad_input_and_token_budget(deployment):
     body = block(0, 3, [7, 8], last=6)                   # 3 tokens of the key's 5
     st, ctype, first = asyncio.run(_post(url, path, body, signer, wire.STREAM_SEQ))
     assert st == 200 and ctype == wire.STREAM_SEQ
-    items = wire.StreamReader(64).feed(first)
+    items = frames.StreamReader(64).feed(first)
     assert len(items) == 1 and isinstance(items[0], wire.VerifyResponse)
     assert asyncio.run(_post(url, path, body, signer, wire.STREAM_SEQ))[2] == first
     st, ctype, err = asyncio.run(_post(url, path, b"\x93\x01", signer))
