@@ -51,6 +51,7 @@ class LocalStats:
     accepted: int = 0
     committed: int = 0
     seconds: float = 0.0
+    prefill_s: float = 0.0
     storage_bytes: int = 0
     accepted_per_round: list = field(default_factory=list)
 
@@ -61,6 +62,7 @@ class LocalStats:
     def to_dict(self) -> dict:
         return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "committed": self.committed, "seconds": self.seconds,
+                "prefill_s": self.prefill_s,
                 "storage_bytes": self.storage_bytes,
                 "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_length": self.committed / max(1, self.rounds),
@@ -117,6 +119,7 @@ def decode_ar(t: OffloadedTarget, prompt: list[int], max_new_tokens: int,
     t0, b0 = time.perf_counter(), t.storage.stats.bytes_read
     ids, st, eos = list(prompt), LocalStats(), set(eos)
     _prefill(t, ids)
+    st.prefill_s = time.perf_counter() - t0
     done = max_new_tokens <= 0
     while not done:
         lg = t.forward([ids[-1]])[0]
@@ -189,6 +192,7 @@ class CatsDecoder:
         t0, b0 = time.perf_counter(), self.t.storage.stats.bytes_read
         ids, st, eos = list(prompt), LocalStats(), set(eos)
         _prefill(self.t, ids)
+        st.prefill_s = time.perf_counter() - t0
         done = max_new_tokens <= 0
         while not done:
             k = min(self.depth, max_new_tokens - (len(ids) - len(prompt)) - 1)

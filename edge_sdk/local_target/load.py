@@ -78,7 +78,7 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     on emulated ``storage`` (``nvme``, ``emmc``, ``ram``, ``<rate>MB/s``).
 
     Raises ValueError (budget too small or unparsable), FileNotFoundError."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, GenerationConfig
 
     from edge_sdk.models import DTYPES, load_tokenizer
 
@@ -88,6 +88,11 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     s = sizes_of(store, config)
     p = plan(s, parse_bytes(budget, s.weights), store.profile.bytes_per_s, max_ctx)
     t = OffloadedTarget(store, config, p.resident_layers, DTYPES[dtype], p.resident_embed)
+    try:
+        t.model.generation_config = GenerationConfig.from_pretrained(folder,
+                                                                     local_files_only=True)
+    except OSError:
+        pass                                     # the config's own eos ids then
     return LocalTarget(t, p, load_tokenizer(name))
 
 
