@@ -108,7 +108,8 @@ def load_exit_head(model, layer: int, vocab: int | None, accept_topk: int = 1
             (ids is None) != (want is None) or (ids is not None and not torch.equal(ids, want))):
         log.warning("ignoring exit head %s: it does not match the model", path)
         return None
-    dev = model.device
+    dev = model.get_output_embeddings().weight.device   # the meta embedding of a CATS
+    # local target is no guide
     return ExitHead(model, layer, weight=t["weight"].to(dev), bias=t["bias"].to(dev),
                     vocab_ids=None if ids is None else ids.to(dev), accept_topk=accept_topk,
                     name=f"tuned-L{layer}-v{vocab or 'full'}")

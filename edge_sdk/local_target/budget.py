@@ -22,7 +22,9 @@ Time (seconds) of one round of self-speculation with exit layer ``E <= R`` and d
 
 with ``a`` the exit head's top-1 agreement with the final layer at layer ``E``
 (:data:`AGREEMENT`, measured on held-out text with the tuned lens). The plan maximises
-``rate`` over ``E in 1..min(R, L-1)`` and ``k in 1..max_depth``. The cascade's gate
+``rate`` over ``E in 1..min(R, L-1)`` and ``k in 1..max_depth``; where no choice beats
+the target alone (``1 / t_full``: nothing streamed and a draft token costing E/L of a
+pass) the plan says ``depth = 0`` and CATS decodes with the target alone. The cascade's gate
 (:mod:`.cats`) stops a block early when the draft's own probability of the whole block
 falls below ``t_draft / t_full``: the expected value of one more drafted token (its
 acceptance probability times the pass it saves) no longer covers its cost.
@@ -154,9 +156,10 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
             r = _rate(s, R, E, k, bandwidth, sub)
             if best is None or r[0] > best[0][0]:
                 best = (r, E, k)
-    (rate, t_full, t_draft, a), E, k = best or ((0.0, 0.0, 0.0, 0.0), 0, 0)
-    if best is None:                           # no resident layer: no draft
-        t_full = _rate(s, R, 0, 0, bandwidth, 0)[1]
+    t_ar = _rate(s, R, 0, 0, bandwidth, 0)[1]
+    if best is None or best[0][0] <= 1.0 / t_ar:   # no draft pays: the target alone
+        best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0)
+    (rate, t_full, t_draft, a), E, k = best
     return Plan(budget, R, embed, E, k, _memory(s, R, embed, max_ctx), t_full, t_draft,
                 a, rate, 1.0 / t_full if t_full else math.inf,
                 t_draft / t_full if t_full else 0.0)

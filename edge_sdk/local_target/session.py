@@ -47,7 +47,7 @@ class LocalSession:
         stats. Every token is the full target's (greedy: identical to
         :func:`decode_ar`)."""
         self._held = []                      # the decoders below reset the cache
-        if self.method == "ar" or self.local.head is None:
+        if self.method == "ar" or self.local.head is None or not self.plan.depth:
             return decode_ar(self.local.target, list(prompt), max_new_tokens, cfg, seed,
                              self.eos)
         return self.decoder().generate(list(prompt), max_new_tokens, cfg, seed, self.eos)
@@ -68,7 +68,7 @@ class LocalSession:
         t.crop(keep)
         if len(ids) - 1 > keep:
             t.run_layers(t.embed(ids[keep:-1]), 0, t.num_layers)
-        k = 0 if self.method == "ar" or self.local.head is None else min(
+        k = 0 if self.method == "ar" or not self.plan.depth else min(
             self.depth or self.plan.depth, max_tokens - 1)
         if self.local.head is None:
             new = self._ar_round(ids, cfg, seed)
