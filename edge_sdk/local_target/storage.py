@@ -31,6 +31,8 @@ import torch
 
 __all__ = ["StorageProfile", "PROFILES", "parse_profile", "Storage", "StorageStats"]
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux >= 5.14
+
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
            "I64": torch.int64}
 
@@ -103,6 +105,7 @@ class Storage:
         self.entries = {k: (v["dtype"], tuple(v["shape"]), *v["data_offsets"])
                         for k, v in header.items()}
         self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        self._can_populate = True
 
     def close(self) -> None:
         """Unmap the file (idempotent)."""
@@ -125,12 +128,28 @@ class Storage:
                                     _DTYPES[dt].itemsize, offset=self._base + a)
         return flat.view(shape)
 
-    def _release(self, a: int, b: int) -> None:
-        """Drop the mapped pages of file bytes ``[a, b)`` from our resident set."""
+    def _populate(self, a: int, b: int) -> None:
+        """Map the pages of file bytes ``[a, b)`` in one call (``MADV_POPULATE_READ``)
+        instead of one page fault per 4 KiB during the copy (~2x faster copies of a
+        93 MB layer); a kernel without it falls back to faulting."""
+        if not self._can_populate:
+            return
+        lo, hi = self._pages(a, b)
+        try:
+            self._mm.madvise(_MADV_POPULATE_READ, lo, hi - lo)
+        except OSError:
+            self._can_populate = False
+
+    def _pages(self, a: int, b: int) -> tuple[int, int]:
+        """The page-aligned map range covering file bytes ``[a, b)``."""
         page = mmap.PAGESIZE
         lo = (self._base + a) // page * page
-        hi = -(-(self._base + b) // page) * page
-        self._mm.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(self._mm)) - lo)
+        return lo, min(-(-(self._base + b) // page) * page, len(self._mm))
+
+    def _release(self, a: int, b: int) -> None:
+        """Drop the mapped pages of file bytes ``[a, b)`` from our resident set."""
+        lo, hi = self._pages(a, b)
+        self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def read_into(self, key: str, out: torch.Tensor) -> int:
         """Copy tensor ``key`` into ``out`` (same shape; any dtype it casts to) and
@@ -140,6 +159,7 @@ class Storage:
         if tuple(out.shape) != shape:
             raise ValueError(f"{key}: file shape {shape}, buffer {tuple(out.shape)}")
         t0 = time.perf_counter()
+        self._populate(a, b)
         out.copy_(self._view(key))
         self._release(a, b)
         self._charge(b - a, time.perf_counter() - t0)
