@@ -48,15 +48,18 @@ def test_greedy_identity_with_partial_acceptance(tmp_path, model):
     ar, _ = decode_ar(t, PROMPT, 40, S.SamplingConfig())
     assert ar == ref
     heads = [untrained_head(t.model, 1), _tuned(t, 2)]
-    partial = 0
+    partial = hits = 0
     for head in heads:
-        for depth in (1, 3, 8):
-            toks, st = CatsDecoder(t, head, depth).generate(PROMPT, 40, S.SamplingConfig())
-            assert toks == ref, (head.name, depth)
+        for depth, width in ((1, 1), (3, 1), (8, 1), (1, 8), (3, 4)):
+            dec = CatsDecoder(t, head, depth, width=width)
+            toks, st = dec.generate(PROMPT, 40, S.SamplingConfig())
+            assert toks == ref, (head.name, depth, width)
+            hits += st.sibling_hits
             assert st.committed == 40 and st.rounds < 40 + 1
             partial += sum(0 < a < depth for a in st.accepted_per_round)
             assert all(t.cache_len(i) == len(PROMPT) + 40 - 1 for i in range(4))
     assert partial > 0          # some rounds accepted part of their block
+    assert hits > 0             # and some took a sibling of the first draft token
 
 
 def test_resident_kv_is_reused_not_recomputed(tmp_path, model):

@@ -28,6 +28,12 @@ pass) the plan says ``depth = 0`` and CATS decodes with the target alone. The ca
 (:mod:`.cats`) stops a block early when the draft's own probability of the whole block
 falls below ``t_draft / t_full``: the expected value of one more drafted token (its
 acceptance probability times the pass it saves) no longer covers its cost.
+
+Width (greedy): ``WIDTH - 1`` sibling candidates of the block's first token ride in the
+same full pass (:mod:`.siblings`) whenever the plan drafts and their one extra resident
+pass costs under 10 % of ``t_full`` (streamed bytes dominate, so the wider pass is free);
+each hit adds one token to the round. No measured top-w coverage enters the model: the
+bench reports the sibling hit rate.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import math
 from dataclasses import asdict, dataclass
 
 __all__ = ["Sizes", "Plan", "AGREEMENT", "agreement", "plan", "parse_bytes",
-           "MEM_BW", "MAX_DEPTH"]
+           "MEM_BW", "MAX_DEPTH", "WIDTH"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
 """Exit layer (of 28) -> tuned exit-head top-1 agreement with the final layer on
@@ -47,6 +53,7 @@ MEM_BW = 18e9
 target takes ~170 ms on 2 threads."""
 
 MAX_DEPTH = 8
+WIDTH = 8
 
 
 def parse_bytes(text: str | int | float, total: int | None = None) -> int:
@@ -107,6 +114,7 @@ class Plan:
     rate: float
     ar_rate: float
     gate: float
+    width: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -160,6 +168,7 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     if best is None or best[0][0] <= 1.0 / t_ar:   # no draft pays: the target alone
         best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0)
     (rate, t_full, t_draft, a), E, k = best
+    width = WIDTH if k and t_draft < 0.1 * t_full else 1
     return Plan(budget, R, embed, E, k, _memory(s, R, embed, max_ctx), t_full, t_draft,
                 a, rate, 1.0 / t_full if t_full else math.inf,
-                t_draft / t_full if t_full else 0.0)
+                t_draft / t_full if t_full else 0.0, width)

@@ -35,6 +35,8 @@ import torch
 
 from edge_sdk.exit_head import ExitHead
 from edge_sdk.local_target.runner import OffloadedTarget
+from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
+                                            resident_mask, sibling_ids)
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 
@@ -53,6 +55,7 @@ class LocalStats:
     seconds: float = 0.0
     prefill_s: float = 0.0
     storage_bytes: int = 0
+    sibling_hits: int = 0
     accepted_per_round: list = field(default_factory=list)
 
     @property
@@ -63,7 +66,7 @@ class LocalStats:
         return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "committed": self.committed, "seconds": self.seconds,
                 "prefill_s": self.prefill_s,
-                "storage_bytes": self.storage_bytes,
+                "storage_bytes": self.storage_bytes, "sibling_hits": self.sibling_hits,
                 "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_length": self.committed / max(1, self.rounds),
                 "throughput_tok_s": self.committed / self.seconds if self.seconds else 0.0}
@@ -139,28 +142,31 @@ class CatsDecoder:
         target: the budgeted target. head: the exit head at layer ``E = head.layer``
             (E <= resident layers: drafting reads nothing from storage).
         depth: the most draft tokens per block (1..8). gate: the cascade's gate on the
-            block's draft probability (0: off).
+            block's draft probability (0: off). width: 1 + the number of sibling
+            candidates of the block's first token (greedy, :mod:`.siblings`; 1: a chain).
     Raises:
         ValueError: the exit layer is not resident or depth is outside 1..8.
     """
 
     def __init__(self, target: OffloadedTarget, head: ExitHead, depth: int,
-                 gate: float = 0.0):
+                 gate: float = 0.0, width: int = 1):
         if head.layer > target.R or head.layer >= target.num_layers:
             raise ValueError(f"exit layer {head.layer} is not resident (R={target.R})")
         if not 1 <= depth <= 8:
             raise ValueError(f"depth {depth} outside 1..8")
         self.t, self.head, self.depth, self.gate = target, head, int(depth), float(gate)
-        self.E = head.layer
+        self.E, self.width, self.sibling_hits = head.layer, max(1, int(width)), 0
 
     def _draft(self, ids: list[int], k: int, cfg, seed: int):
         """Up to ``k`` draft tokens from the resident layers (stage 1-2). Returns
-        ``(drafts, qs, residual streams at layer E of [ids[-1], d_1..d_{g-1}])``."""
-        drafts, qs, hs, x, mass = [], [], [], ids[-1], 1.0
+        ``(drafts, qs, residual streams at layer E of [ids[-1], d_1..d_{g-1}], the exit
+        logits after ids[-1] [V])``."""
+        drafts, qs, hs, x, mass, first = [], [], [], ids[-1], 1.0, None
         for j in range(k):
             h = self.t.run_layers(self.t.embed([x]), 0, self.E)
             hs.append(h)
             lg = self.head.logits(h[0])[0]
+            first = lg if first is None else first
             gen = rng.generator(seed, rng.LOCAL_DRAFT, len(ids) + j)
             tok, q = S.sample_next(lg, cfg, ids + drafts, gen)
             drafts.append(tok)
@@ -169,15 +175,19 @@ class CatsDecoder:
             mass *= float(q[tok]) if q is not None else float(torch.softmax(lg, -1).max())
             if mass < self.gate:
                 break
-        return drafts, qs, hs
+        return drafts, qs, hs, first
 
     def round(self, ids: list[int], k: int, cfg, seed: int) -> tuple[list[int], int, int]:
         """One round: draft, one verification pass, the verdict; the caches end at the
         confirmed prefix minus its last token. Returns ``(new tokens, drafted,
         accepted)``."""
-        drafts, qs, hs = self._draft(ids, k, cfg, seed) if k else ([], [], [])
+        drafts, qs, hs, first = self._draft(ids, k, cfg, seed) if k else ([], [], [], None)
         last = drafts[-1] if drafts else ids[-1]
         hs.append(self.t.run_layers(self.t.embed([last]), 0, self.E))
+        if (self.width > 1 and drafts and cfg.greedy and cfg.repetition_penalty == 1.0):
+            sibs = sibling_ids(first, drafts[0], self.width - 1)
+            if sibs:
+                return self._tree_round(ids, drafts, hs, sibs)
         h = self.t.run_layers(torch.cat(hs, 1), self.E, self.t.num_layers)
         logits = self.t.logits(h)                                      # [g+1, V]
         gen = rng.generator(seed, rng.LOCAL_VERIFY, len(ids))
@@ -185,12 +195,29 @@ class CatsDecoder:
         self.t.crop(len(ids) + a)
         return drafts[:a] + [nxt], len(drafts), a
 
+    def _tree_round(self, ids: list[int], drafts: list[int], hs: list, sibs: list[int]):
+        """The greedy round with siblings (:mod:`.siblings`): their resident pass, one
+        full pass over chain + siblings, the verdict, the cache cut to the accepted
+        branch. Returns ``(new tokens, drafted, accepted)``."""
+        P, k, m = len(ids) - 1, len(drafts), len(sibs)
+        pos, mask = resident_mask(P, k, m)
+        hs.append(self.t.run_layers(self.t.embed(sibs), 0, self.E, pos, mask))
+        pos, mask = full_inputs(P, k, m)
+        h = self.t.run_layers(torch.cat(hs, 1), self.E, self.t.num_layers, pos, mask)
+        new, a, j = greedy_tree_verdict(self.t.logits(h), drafts, sibs)
+        if j is None:
+            self.t.crop(P + 1 + a)
+        else:
+            self.t.keep(P + 1, [P + 1 + k + j])
+            self.sibling_hits += 1
+        return new, k, a
+
     def generate(self, prompt: list[int], max_new_tokens: int, cfg: S.SamplingConfig,
                  seed: int = 0, eos=()) -> tuple[list[int], LocalStats]:
         """Generate up to ``max_new_tokens`` after ``prompt`` (stops at an EOS id).
         Returns ``(generated ids, stats)``."""
         t0, b0 = time.perf_counter(), self.t.storage.stats.bytes_read
-        ids, st, eos = list(prompt), LocalStats(), set(eos)
+        ids, st, eos, h0 = list(prompt), LocalStats(), set(eos), self.sibling_hits
         _prefill(self.t, ids)
         st.prefill_s = time.perf_counter() - t0
         done = max_new_tokens <= 0
@@ -204,4 +231,5 @@ class CatsDecoder:
         st.committed = len(ids) - len(prompt)
         st.seconds = time.perf_counter() - t0
         st.storage_bytes = self.t.storage.stats.bytes_read - b0
+        st.sibling_hits = self.sibling_hits - h0
         return ids[len(prompt):], st

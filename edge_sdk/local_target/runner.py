@@ -129,19 +129,22 @@ class OffloadedTarget:
         return self.storage.rows("model.embed_tokens.weight", t).to(self.dtype)[None]
 
     @torch.inference_mode()
-    def run_layers(self, h: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """Run decoder layers ``a..b-1`` on ``h`` [1, q, H]; the positions continue the
-        cache of layer ``a`` (all layers of the segment must hold the same length).
+    def run_layers(self, h: torch.Tensor, a: int, b: int, pos: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run decoder layers ``a..b-1`` on ``h`` [1, q, H]; by default the positions
+        continue the cache of layer ``a`` (all layers of the segment must hold the same
+        length P) under a causal mask. A token tree passes its own ``pos`` long [1, q]
+        and ``mask`` bool [1, 1, q, P + q] (True: attend).
 
         Returns the residual stream after layer ``b-1`` [1, q, H]; each layer's cache
         grows by q. Raises AssertionError when the segment's caches disagree."""
         P, q = self.cache_len(a), h.shape[1]
         if any(self.cache_len(i) != P for i in range(a, b)):
             raise AssertionError(f"layers {a}..{b - 1} hold different cache lengths")
-        pos = torch.arange(P, P + q).unsqueeze(0)
+        if pos is None:
+            pos = torch.arange(P, P + q).unsqueeze(0)
         pe = self.model.model.rotary_emb(h, pos)
-        mask = None
-        if q > 1:
+        if mask is None and q > 1:
             mask = torch.ones(q, P + q, dtype=torch.bool).tril(P)[None, None]
         for i in range(a, b):
             h = self.layer(i)(h, attention_mask=mask, position_ids=pos, cache=self.cache,
@@ -165,6 +168,15 @@ class OffloadedTarget:
             have = int(lay.get_seq_length())
             if have > n:
                 lay.crop(n - have)
+
+    def keep(self, n: int, extra: list[int]) -> None:
+        """Keep the first ``n`` cached tokens of every layer plus the entries at cache
+        indexes ``extra`` (in that order): the accepted branch of a token tree."""
+        idx = torch.tensor(list(range(n)) + list(extra), dtype=torch.long)
+        for lay in self.cache.layers:
+            if lay.get_seq_length() > n:
+                lay.keys = lay.keys.index_select(-2, idx)
+                lay.values = lay.values.index_select(-2, idx)
 
     def reset(self) -> None:
         """Empty the KV cache."""

@@ -23,12 +23,14 @@ __all__ = ["LocalSession", "build_local"]
 
 @dataclass
 class LocalSession:
-    """A ready local target. ``method``: ``cats`` or ``ar`` (the target alone)."""
+    """A ready local target. ``method``: ``cats`` or ``ar`` (the target alone);
+    ``depth`` / ``width`` override the plan's (None: the plan's)."""
 
     local: LocalTarget
     eos: tuple = ()
     method: str = "cats"
     depth: int | None = None
+    width: int | None = None
     _held: list = field(default_factory=list, repr=False)   # tokens in the KV cache
 
     @property
@@ -38,7 +40,8 @@ class LocalSession:
     def decoder(self) -> CatsDecoder:
         """The CATS decoder of the plan (depth override: :attr:`depth`)."""
         p = self.local.plan
-        return CatsDecoder(self.local.target, self.local.head, self.depth or p.depth, p.gate)
+        return CatsDecoder(self.local.target, self.local.head, self.depth or p.depth, p.gate,
+                           p.width if self.width is None else self.width)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int,
                  cfg: SamplingConfig = SamplingConfig(), seed: int = 0
