@@ -57,7 +57,8 @@ def _metrics(recs: list[dict]) -> dict:
             "mean_accepted_length": committed / max(1, tot("rounds")),
             "target_passes_per_token": tot("rounds") / max(1, committed),
             "storage_bytes_per_token": tot("storage_bytes") / max(1, committed),
-            "ttft_s": pre / len(recs), "committed_tokens": committed, "requests": len(recs)}
+            "ttft_s": pre / len(recs), "committed_tokens": committed, "requests": len(recs),
+            "sibling_hits": sum(r["stats"].get("sibling_hits", 0) for r in recs)}
 
 
 def _requests(target: str, workloads: Sequence[str], sampling: str, prompts: int,

@@ -17,15 +17,17 @@ def summary_md(results: dict) -> str:
              f"{c['prompts']} prompts per workload, {c['max_new_tokens']} new tokens, "
              f"{c['elapsed_s']:.0f} s.", "",
              "| mode | profile | workload | tok/s | decode tok/s | acceptance | tokens/pass "
-             "| R | exit | depth | budget GB | plan GB | peak RSS GB | RSS after import GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| R | exit | depth | width | sibling hits | budget GB | plan GB | peak RSS GB | RSS after import GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
-        m, p = r["metrics"], r["local"]["plan"]
+        m, p = r["metrics"], dict(r["local"]["plan"])
+        if r["mode"] == "local-offload-ar":       # the target alone: no draft
+            p.update(exit_layer="-", depth="-", width="-")
         lines.append(
             f"| {r['mode']} | {r['profile']} | {r['workload']} | {_f(m['throughput_tok_s'])} "
             f"| {_f(m['decode_tok_s'])} | {_f(m['acceptance_rate'])} "
             f"| {_f(m['mean_accepted_length'])} | {p['resident_layers']} | {p['exit_layer']} "
-            f"| {p['depth']} | {p['budget'] / 1e9:.2f} | {p['memory'] / 1e9:.2f} "
+            f"| {p['depth']} | {p.get('width', 1)} | {m.get('sibling_hits', '-')} | {p['budget'] / 1e9:.2f} | {p['memory'] / 1e9:.2f} "
             f"| {r['peak_rss_bytes'] / 1e9:.2f} | {r['rss_after_import_bytes'] / 1e9:.2f} |")
     lines += ["", "| ratio | profile | workload | value |", "|---|---|---|---|"]
     for q in results["ratios"]:

@@ -81,9 +81,9 @@ class OffloadedTarget:
         """The one reusable decoder layer the streamed layers are loaded into."""
         layer_cls = type(self.model.model.layers[0])
         with torch.device("meta"):
-            buf = layer_cls(self.config, layer_idx=self.R)
-        buf.to_empty(device="cpu")
-        return buf.to(self.dtype).eval().requires_grad_(False)
+            buf = layer_cls(self.config, layer_idx=self.R).to(self.dtype)
+        # cast on meta, then allocate: never a float32 copy (it would stay in the RSS)
+        return buf.to_empty(device="cpu").eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ accounting
 
