@@ -56,7 +56,8 @@ def greedy_tree_verdict(logits: torch.Tensor, drafts: list[int], sibs: list[int]
     """The greedy verdict over ``logits`` float32 [k+1+m, V] (rows: after last, after
     each chain prefix, after each sibling). Returns ``(new tokens, accepted drafts,
     index of the accepted sibling or None)``; every new token is the target's argmax
-    at its position (ties to the lowest id)."""
+    at its position (ties to the lowest id). A sibling hit accepts no chain draft:
+    acceptance statistics count the chain; hits are counted apart (CASES.md 10)."""
     k = len(drafts)
     best = S.greedy_token(logits)
     t1 = int(best[0])
@@ -65,5 +66,5 @@ def greedy_tree_verdict(logits: torch.Tensor, drafts: list[int], sibs: list[int]
         return drafts[:a] + [nxt], a, None
     if t1 in sibs:
         j = sibs.index(t1)
-        return [t1, int(best[k + 1 + j])], 1, j
+        return [t1, int(best[k + 1 + j])], 0, j      # no chain draft accepted
     return [t1], 0, None
