@@ -1,4 +1,4 @@
-"""Cloud loss with ``on_cloud_loss="local"`` (issue #17): the server is killed
+"""Cloud loss with ``on_cloud_loss="local"``: the server is killed
 mid-generation, the device continues exactly with its own budgeted copy of the target
 (CATS), every token stays verified, and the request hands back to the cloud when it
 answers: the greedy output equals the fault-free run, nothing lost or repeated."""

@@ -1,6 +1,8 @@
 """CATS: self-speculative decoding with a cascaded verification under a memory budget
-(the CATS abstract in shared/seeds; self-speculation by layer skipping from LayerSkip,
-Elhoushi et al. 2024, §4; the draft's exit is the tuned lens, Belrose et al. 2023, §3).
+(CATS: "cascaded verification and correction based on the memory budget and parameter
+offloading patterns", its abstract; self-speculation by layer skipping from LayerSkip,
+Elhoushi et al. 2024, §4; the draft's exit is the tuned lens, Belrose et al. 2023, §3;
+siblings verified in the same pass: SpecInfer, Miao et al. 2024, §4).
 
 The cascade, from cheapest to dearest, for one block of a round:
 
@@ -17,7 +19,8 @@ The cascade, from cheapest to dearest, for one block of a round:
    position ids), so the skipped layers get their keys/values before anything uses
    them (CASES.md 11). The acceptance rule is the shared one
    (:mod:`edge_sdk.protocol.sampling`): greedy output is the target's token for token,
-   sampling is exact (Leviathan et al. 2023, Alg. 1; residual draws local).
+   sampling is exact (Leviathan et al. 2023, Alg. 1; residual draws local). Greedy
+   blocks also carry siblings of ``d_1`` (:mod:`.siblings`).
 
 After the verdict every layer's cache is cropped to the confirmed prefix minus its
 last token (CASES.md 7). Draws: ``rng.LOCAL_DRAFT`` for the draft and
