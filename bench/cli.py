@@ -110,6 +110,12 @@ def _cpus(value: str | None) -> list[int] | None:
               help="Serve without request signing (default: an ephemeral signed key).")
 @click.option("--no-warmup", is_flag=True, help="Skip the unmeasured warm-up requests.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--memory-budget", default=None, help="Local modes (local-offload-ar, cats): "
+              "comma list of budgets, fractions of the target's weights or bytes "
+              "(0.5, 1.5GB) [default: 1.0,0.75,0.5].")
+@click.option("--storage", default=None, help="Local modes: comma list of emulated storage "
+              "profiles of the offloaded layers (nvme 2 GB/s, emmc 400 MB/s, <rate>MB/s) "
+              "[default: nvme].")
 @click.option("--list-modes", is_flag=True, help="List the registered modes and exit.")
 @click.option("--chaos", is_flag=True, help="Run the link-fault matrix instead: drops, "
               "duplicates, reorders, delays past the client's timeout, resets mid-body and "
@@ -142,6 +148,12 @@ def bench(**o):
         return
     if o["chaos_rows"] is not None:
         raise click.UsageError("--chaos-rows applies to --chaos only")
+    if _local_modes(o):
+        _local(o)
+        return
+    if o["memory_budget"] is not None or o["storage"] is not None:
+        raise click.UsageError("--memory-budget and --storage apply to the local modes "
+                               "(local-offload-ar, cats) only")
     from bench.console import print_summary
     from bench.harness import run_bench
 
@@ -181,6 +193,38 @@ def _chaos(o: dict) -> None:
         raise click.BadParameter(str(e)) from None
     except ChaosFailed as e:
         raise click.ClickException(str(e)) from None
+
+
+def _local_modes(o: dict) -> bool:
+    """True when the run's modes are local ones (``--modes`` given and any is local)."""
+    from bench.local.run import LOCAL_MODES
+
+    return any(m in LOCAL_MODES for m in _csv(o["modes"] or ""))
+
+
+def _local(o: dict) -> None:
+    """The local-target bench (:mod:`bench.local.run`): no cloud, no link."""
+    from bench.local.run import run_local_bench
+
+    t0 = time.perf_counter()
+    try:
+        res = run_local_bench(
+            _csv(o["modes"]), _csv(o["memory_budget"] or "1.0,0.75,0.5"),
+            _csv(o["storage"] or "nvme"), _csv(o["workloads"] or "humaneval,mtbench"),
+            _csv(o["sampling"] or "greedy"), o["prompts"] or 4, o["max_new_tokens"] or 32,
+            o["seed"], o["target"], "bfloat16" if o["dtype"] == "auto" else o["dtype"],
+            o["edge_threads"], o["out_dir"], log=lambda m: click.echo(m, err=True))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    for r in res["runs"]:
+        m = r["metrics"]
+        click.echo(f"{r['mode']:17s} {r['profile']:14s} {r['workload']:10s} "
+                   f"{m['throughput_tok_s']:.3f} tok/s  acceptance {m['acceptance_rate']}  "
+                   f"peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB")
+    for q in res["ratios"]:
+        click.echo(f"cats / local-offload-ar {q['profile']} {q['workload']}: {q['value']:.2f}x")
+    click.echo(f"wrote {o['out_dir']}/results.json, summary.md, requests.jsonl in "
+               f"{time.perf_counter() - t0:.0f} s")
 
 
 def _list_modes() -> None:

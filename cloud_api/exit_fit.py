@@ -16,18 +16,13 @@ slice of its weights, so two models never share a head.
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import json
 import logging
-import os
-import re
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from cloud_api.early_exit import ExitHead, decoder_layers, restricted_vocab
+from edge_sdk.exit_head import ExitHead, decoder_layers, fit_translator, restricted_vocab
+from edge_sdk.exit_store import head_path, load_exit_head, model_key, save_exit_head
 
 __all__ = ["collect_hidden", "fit_translator", "calibration_text", "heldout_prompts",
            "model_key", "head_path", "save_exit_head", "load_exit_head", "fit_exit_heads",
@@ -86,37 +81,6 @@ def collect_hidden(model, seqs: Sequence[Sequence[int]], layers: Sequence[int]
             torch.cat(arg).cpu())
 
 
-def fit_translator(X: torch.Tensor, Y: torch.Tensor, ridge: float = 1e-2
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Closed-form ridge regression ``Y ≈ X @ weight + bias`` up to the scale of each
-    row: the tuned lens's affine translator (Belrose et al. 2023, §3), fitted by
-    weighted least squares instead of SGD.
-
-    ``X``: residual streams after the exit layer, ``Y``: the final layer's pre-norm
-    residual streams, both [N, H] (any float dtype). The final RMSNorm is scale-free, so
-    each target row is divided by its RMS, and each row is weighted by 1/RMS(x)²: the
-    few positions with massive activations (the attention sink, RMS ~100x the median)
-    would otherwise dominate the fit (top-1 agreement on Qwen2.5-Coder-1.5B layer 20:
-    0.43 weighted vs 0.33 plain). The penalty is ``ridge`` times the mean diagonal of
-    the weighted Gram matrix; the bias is not penalised. Solved in float64.
-    Returns float32 ``weight`` [H, H] and ``bias`` [H].
-    Raises ValueError for mismatched shapes or N < 2.
-    """
-    if X.ndim != 2 or X.shape != Y.shape or X.shape[0] < 2:
-        raise ValueError(f"fit_translator needs X, Y of one shape [N>=2, H]: "
-                         f"{tuple(X.shape)} vs {tuple(Y.shape)}")
-    X, Y = X.double(), Y.double()
-    rms = lambda t: t.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)  # noqa: E731
-    s = rms(X)
-    Xa = torch.cat([X, torch.ones_like(s)], 1) / s                   # [N, H+1]
-    T = Y / rms(Y) / s
-    gram = Xa.T @ Xa
-    lam = ridge * float(gram.diagonal()[:-1].mean())
-    gram.diagonal()[:-1].add_(max(lam, 1e-12))
-    wb = torch.linalg.solve(gram, Xa.T @ T)                          # [H+1, H]
-    return wb[:-1].float().contiguous(), wb[-1].float().contiguous()
-
-
 def heldout_prompts(n_code: int, n_chat: int) -> tuple[list, list]:
     """The HumanEval and MT-Bench prompts (``bench.workloads.Prompt``) at seed-0 indexes
     from :data:`HELDOUT_START` on: never among the benchmark's evaluated prompts."""
@@ -142,95 +106,6 @@ def calibration_text(tokenizer, n_code: int = 16, n_chat: int = 16, max_len: int
     seqs = [encode_prompt(tokenizer, p.text + sol[p.id], False) for p in he]
     seqs += [encode_prompt(tokenizer, t, True) for p in mt for t in turns[p.id]]
     return [s[:max_len] for s in seqs if s]
-
-
-def model_key(model) -> str:
-    """Cache key of a model: its name, layer count, hidden size, vocabulary size and a
-    hash of a slice of its LM head and final norm (so two fine-tunes of one config do
-    not share a head): ``<name>-<16 hex>``."""
-    cfg = model.config
-    name = str(getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", "model"))
-    h = hashlib.sha256(f"{name}|{cfg.num_hidden_layers}|{cfg.hidden_size}|"
-                       f"{cfg.vocab_size}".encode())
-    with torch.inference_mode():
-        head = model.get_output_embeddings().weight
-        h.update(head[:8].float().cpu().numpy().tobytes())
-        h.update(model.model.norm.weight.float().cpu().numpy().tobytes())
-    base = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name or "model")[:40]
-    return f"{base}-{h.hexdigest()[:16]}"
-
-
-def head_path(model, layer: int, vocab: int | None) -> Path:
-    """``$SPECRELAY_CACHE/exit-heads/<model_key>/L{layer}-v{K}.safetensors`` (K = the
-    requested vocabulary size, ``full`` for None)."""
-    from edge_sdk.cache import cache_dir
-
-    return (cache_dir() / "exit-heads" / model_key(model)
-            / f"L{layer}-v{'full' if vocab is None else int(vocab)}.safetensors")
-
-
-def _atomic_write(path: Path, write) -> None:
-    """``write(tmp_path)`` then rename onto ``path`` (readers never see a partial file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def save_exit_head(head: ExitHead, vocab: int | None, meta: dict) -> Path:
-    """Write ``head``'s translator and vocabulary to :func:`head_path` and record
-    ``meta`` (plus layer, vocab, accept_topk, model, date) under its file name in the
-    ``manifest.json`` beside it, both atomically. Raises ValueError for a head without
-    a translator."""
-    from safetensors.torch import save_file
-
-    if head.weight is None or head.bias is None:
-        raise ValueError("save_exit_head: an untrained head has nothing to save")
-    path = head_path(head.model, head.layer, vocab)
-    info = {"layer": head.layer, "vocab": vocab, "accept_topk": head.accept_topk,
-            "model": str(getattr(head.model.config, "name_or_path", "")),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds")} | dict(meta)
-    tensors = {"weight": head.weight.float().contiguous(),
-               "bias": head.bias.float().contiguous()}
-    if head.vocab_ids is not None:
-        tensors["vocab_ids"] = head.vocab_ids.long().contiguous()
-    _atomic_write(path, lambda p: save_file(tensors, str(p), {"info": json.dumps(info)}))
-    mpath = path.with_name("manifest.json")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, ValueError):
-        manifest = {}
-    manifest[path.name] = info
-    _atomic_write(mpath, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
-    return path
-
-
-def load_exit_head(model, layer: int, vocab: int | None, accept_topk: int = 1
-                   ) -> ExitHead | None:
-    """The cached tuned head of ``model`` at ``layer`` over the first ``vocab`` ids, or
-    None when there is none or it does not fit (shape or vocabulary mismatch: a stale
-    file is ignored, never trusted). ``accept_topk`` is the provisional rule to use."""
-    from safetensors.torch import load_file
-
-    path = head_path(model, layer, vocab)
-    try:
-        t = load_file(str(path))
-    except (OSError, ValueError, RuntimeError):
-        return None
-    H, want = int(model.config.hidden_size), restricted_vocab(model, vocab)
-    ids = t.get("vocab_ids")
-    if t["weight"].shape != (H, H) or t["bias"].shape != (H,) or (
-            (ids is None) != (want is None) or (ids is not None and not torch.equal(ids, want))):
-        log.warning("ignoring exit head %s: it does not match the model", path)
-        return None
-    dev = model.device
-    return ExitHead(model, layer, weight=t["weight"].to(dev), bias=t["bias"].to(dev),
-                    vocab_ids=None if ids is None else ids.to(dev), accept_topk=accept_topk,
-                    name=f"tuned-L{layer}-v{vocab or 'full'}")
 
 
 def head_agreement(head: ExitHead, X: torch.Tensor, argmax: torch.Tensor,

@@ -79,6 +79,12 @@ class EdgeClient:
             (TokenEvent, GenerationResult.verified, the OpenAI endpoint), probing the
             cloud every ``probe_interval_s`` seconds; once it answers the request
             resumes from its full prefix (nothing lost or repeated) under verification.
+            ``local``: continue exactly with ``local_target`` (the device's own target
+            under a memory budget, CATS; tokens stay ``verified=True``, counted in
+            ``metrics["local_tokens"]``), handing back to the cloud the same way.
+        local_target: an ``edge_sdk.local_target.LocalSession`` (``build_local``) for
+            ``on_cloud_loss="local"`` (its ``step(ids, max_tokens, cfg, seed)`` is called
+            once per round while the cloud is lost).
         ssl_context: TLS context trusting the server's CA for ``https://`` (when no
             ``transport`` is given). A certificate error is raised at once
             (``edge_sdk.transport.TLSVerifyError``), never waited out.
@@ -93,7 +99,7 @@ class EdgeClient:
                  proactive_roots: int = 1, send_ahead: bool = False,
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
-                 ssl_context=None):
+                 ssl_context=None, local_target=None):
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
         if correction not in C.MODES:
@@ -107,6 +113,9 @@ class EdgeClient:
                              "'fsd+ipdg'")
         if on_cloud_loss not in CLOUD_LOSS_POLICIES:
             raise ValueError(f"on_cloud_loss must be one of {CLOUD_LOSS_POLICIES}")
+        if on_cloud_loss == "local" and local_target is None:
+            raise ValueError('on_cloud_loss="local" needs local_target=')
+        self.local_target = local_target
         self.on_cloud_loss, self.offline_timeout_s = on_cloud_loss, offline_timeout_s
         self.probe_interval_s = probe_interval_s
         if isinstance(controller, str):

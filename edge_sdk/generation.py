@@ -113,9 +113,11 @@ class Generation:
     async def _next_tokens(self, tokens: list[int]) -> tuple[list[int], bool]:
         """The next confirmed tokens and whether the target verified them."""
         if self.loss.offline:
+            local = self.loss.policy == "local"
             return await self.loss.offline_step(
                 lambda: self.sess.create(list(tokens), self.committer.remaining),
-                lambda: self._draft_offline(tokens)), False
+                (lambda: self._local_offline(tokens)) if local
+                else (lambda: self._draft_offline(tokens))), local
         header = self.sess.header()
 
         def aborted():
@@ -128,7 +130,7 @@ class Generation:
 
         new = await self.loss.verified(lambda: self._round(tokens), aborted)
         if new is None:
-            if self.target_only:
+            if self.target_only and self.loss.policy != "local":
                 raise CloudUnreachable("cloud lost and no draft model")
             self.loss.go_offline()
             return [], True
@@ -220,6 +222,14 @@ class Generation:
         self.c.scheduler.close(self)
         self.m.unverified_tokens += 1
         return list(block.tokens) if block else []
+
+    async def _local_offline(self, tokens: list[int]) -> list[int]:
+        """One round on the device's own target (the cloud is lost): exact tokens."""
+        new = await asyncio.get_running_loop().run_in_executor(
+            self.c.scheduler.executor, self.c.local_target.step, list(tokens),
+            self.committer.remaining, self.cfg, self.seed)
+        self.m.local_tokens += len(new)
+        return new
 
     async def _verify(self, tokens: list[int], block: DraftBlock | None, planned: int,
                       from_branch: bool = False, ahead: Ahead | None = None) -> list[int]:

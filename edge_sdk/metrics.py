@@ -56,6 +56,7 @@ class RequestMetrics:
     tv_budget_spent: float = 0.0
     accepted_hist: list = field(default_factory=list)   # accepted drafts per round
     unverified_tokens: int = 0      # draft-only tokens while the cloud was unreachable
+    local_tokens: int = 0           # exact local-target tokens while the cloud was lost
     # proactive drafting (IPDG/NPDG, RAPID) and depth control (RAPID)
     proactive_rounds: int = 0       # rounds that started a proactive branch
     proactive_hits: int = 0         # ... whose branch matched the verdict and was kept
@@ -121,6 +122,7 @@ class RequestMetrics:
             "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "wall_s": wall, "accepted_hist": list(self.accepted_hist),
             "unverified_tokens": self.unverified_tokens,
+            "local_tokens": self.local_tokens,
             "proactive_rounds": self.proactive_rounds, "proactive_hits": self.proactive_hits,
             "proactive_attempts": self.proactive_rounds,     # bench report's raw-count name
             "proactive_drafted_tokens": self.proactive_drafted_tokens,

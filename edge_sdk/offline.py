@@ -10,6 +10,13 @@ retries): the cloud-loss policies.
     probing the cloud at most every ``probe_interval_s`` seconds; once it answers, the
     session is re-created from the full prefix and verification resumes (nothing lost
     or repeated).
+``local``
+    continue *exactly* with the device's own copy of the target under a memory budget
+    (``EdgeClient(local_target=...)``, a :class:`edge_sdk.local_target.LocalSession`:
+    CATS self-speculative decoding, every token the full target's, so it stays
+    ``verified=True``), probing the cloud the same way; once it answers the session is
+    re-created from the full prefix and the cloud verifies again (nothing lost or
+    repeated).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from edge_sdk.results import CloudUnreachable
 from edge_sdk.retry import backoff_delay
 from edge_sdk.transport import UNREACHABLE
 
-POLICIES = ("wait", "draft_only")
+POLICIES = ("wait", "draft_only", "local")
 T = TypeVar("T")
 
 
@@ -75,7 +82,8 @@ class CloudLoss:
     async def verified(self, fn: Callable[[], Awaitable[T]],
                        on_fail: Callable[[], None]) -> T | None:
         """``await fn()`` (one verified round) under the policy: ``wait`` rides the loss
-        out (:meth:`until_reachable`); ``draft_only`` returns None on the first loss."""
+        out (:meth:`until_reachable`); ``draft_only`` and ``local`` return None on the
+        first loss."""
         if self.policy == "wait":
             return await self.until_reachable(fn, on_fail)
         try:
@@ -85,7 +93,8 @@ class CloudLoss:
             return None
 
     def go_offline(self) -> None:
-        """Start drafting alone; the first probe comes ``probe_interval_s`` later."""
+        """Start drafting alone (``local``: decoding locally); the first probe comes
+        ``probe_interval_s`` later."""
         self.offline = True
         self._last_probe = time.monotonic()
 

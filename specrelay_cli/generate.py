@@ -11,7 +11,15 @@ import click
 from specrelay_cli.options import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_CHOICE, DTYPE_HELP,
                                    SMOLLM2_DRAFT, default_draft, make_drafter,
                                    sampling_config, sampling_options)
+from specrelay_cli.local import LOCAL_OPTIONS, run_local
 from specrelay_cli.probe import check_key, check_url, probe_api
+
+
+def local_options(f):
+    """Decorate a command with the ``--local`` options (:mod:`specrelay_cli.local`)."""
+    for o in reversed(LOCAL_OPTIONS):
+        f = o(f)
+    return f
 
 __all__ = ["generate", "demo", "run_generation", "divergence_report", "print_result"]
 
@@ -117,6 +125,7 @@ def print_result(res, as_json: bool, title: str, note: str | None = None,
 @click.option("--ca-cert", type=click.Path(exists=True), default=None,
               help="CA certificate to trust for an https:// server.")
 @sampling_options
+@local_options
 def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
     """Generate against a running verification API.
 
@@ -125,12 +134,15 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
       specrelay generate "Write a haiku about robots" --api-key sr_live_...
       specrelay generate "Hi" --url https://api.example.com --ca-cert ca.pem
       specrelay generate "Hi" --temperature 0.7 --top-p 0.9 --seed 3 --json
+      specrelay generate "def fib(n):" --local --memory-budget 1.5GB --storage emmc
     """
     from edge_sdk.models import load_tokenizer
     from edge_sdk.protocol.signing import Signer
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
+    if kw["local"]:
+        return run_local(prompt, kw)
     check_url(url)
     sampling_config(kw)                              # refuse bad values before any load
     signer = Signer.from_api_key(api_key) if api_key else None

@@ -29,6 +29,12 @@ Streams (constants below) and their index:
 ``STREAM_DECODE``
     cloud, target-only streaming generation: one generator per stream request (index =
     confirmed length when the stream starts).
+``LOCAL_DRAFT``
+    edge, CATS on-device draft draws (index = the block's position + the draft's
+    offset in the block: confirmed length + j).
+``LOCAL_VERIFY``
+    edge, CATS on-device verification: acceptance uniforms, residual and bonus of a
+    block, and target-alone sampling (index = the block's position, confirmed length).
 """
 
 from __future__ import annotations
@@ -36,13 +42,15 @@ from __future__ import annotations
 import torch
 
 __all__ = ["DRAFT", "DRAFT_OFFLINE", "CORRECTION", "VERIFY", "STREAM_DECODE",
-           "mix", "generator"]
+           "LOCAL_DRAFT", "LOCAL_VERIFY", "mix", "generator"]
 
 DRAFT = 1
 DRAFT_OFFLINE = 2
 CORRECTION = 3
 VERIFY = 4
 STREAM_DECODE = 5
+LOCAL_DRAFT = 6
+LOCAL_VERIFY = 7
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -1,0 +1,238 @@
+"""CATS: self-speculative decoding with a cascaded verification under a memory budget
+(CATS: "cascaded verification and correction based on the memory budget and parameter
+offloading patterns", its abstract; self-speculation by layer skipping from LayerSkip,
+Elhoushi et al. 2024, §4; the draft's exit is the tuned lens, Belrose et al. 2023, §3;
+siblings verified in the same pass: SpecInfer, Miao et al. 2024, §4).
+
+The cascade, from cheapest to dearest, for one block of a round:
+
+1. **Resident draft** (layers ``0..E-1`` + the exit head at ``E``, all resident, no
+   storage reads): proposes ``d_1..d_k``; its keys/values of layers ``0..E-1`` are the
+   target's own and are kept.
+2. **Resident gate** (free): the draft's own probability of the block so far,
+   ``prod_j q_j(d_j)``, is checked after each token; below the gate
+   (:mod:`.budget`: ``t_draft / t_full``) the block stops: one more token would cost
+   more drafting time than the streamed pass it can be expected to save.
+3. **Full verification** (layers ``E..L-1``, the streamed ones included, ONE pass over
+   the whole block: streamed bytes dominate and a pass costs the same for 1 or k+1
+   tokens): runs on the stored residual streams of the draft at layer ``E`` (same
+   position ids), so the skipped layers get their keys/values before anything uses
+   them (CASES.md 11). The acceptance rule is the shared one
+   (:mod:`edge_sdk.protocol.sampling`): greedy output is the target's token for token,
+   sampling is exact (Leviathan et al. 2023, Alg. 1; residual draws local). Greedy
+   blocks also carry siblings of ``d_1`` (:mod:`.siblings`).
+
+After the verdict every layer's cache is cropped to the confirmed prefix minus its
+last token (CASES.md 7). Draws: ``rng.LOCAL_DRAFT`` for the draft and
+``rng.LOCAL_VERIFY`` for acceptance uniforms, residual and bonus, both indexed by the
+block's position (confirmed length), so a block of zero drafts draws exactly what
+target-alone sampling (:func:`decode_ar`) draws at that position.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from edge_sdk.exit_head import ExitHead
+from edge_sdk.local_target.runner import OffloadedTarget
+from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
+                                            resident_mask, sibling_ids)
+from edge_sdk.protocol import rng
+from edge_sdk.protocol import sampling as S
+
+__all__ = ["LocalStats", "CatsDecoder", "decode_ar", "verify_block"]
+
+
+@dataclass
+class LocalStats:
+    """Counters of one generation: rounds (full passes after the prefill), drafted and
+    accepted draft tokens, committed tokens, seconds, storage bytes read."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    seconds: float = 0.0
+    prefill_s: float = 0.0
+    storage_bytes: int = 0
+    sibling_hits: int = 0
+    accepted_per_round: list = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict:
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "committed": self.committed, "seconds": self.seconds,
+                "prefill_s": self.prefill_s,
+                "storage_bytes": self.storage_bytes, "sibling_hits": self.sibling_hits,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.committed / max(1, self.rounds),
+                "throughput_tok_s": self.committed / self.seconds if self.seconds else 0.0}
+
+
+def verify_block(logits: torch.Tensor, context: list[int], block: list[int],
+                 qs: list, cfg: S.SamplingConfig, gen: torch.Generator) -> tuple[int, int]:
+    """The acceptance rule over one block (the cloud verifier's, standard mode).
+
+    Args: logits float32 [g+1, V] after ``context + block[:i]``; qs: the draft's
+    processed distributions float64 [V] per draft (None when greedy).
+    Returns ``(accepted drafts, next token)`` (correction or bonus)."""
+    V, g = logits.shape[-1], len(block)
+    seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long), V)
+            if cfg.repetition_penalty != 1.0 else None)
+    x = S.process_logits(logits, cfg, seen)
+    if cfg.greedy:
+        return S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
+    p = torch.softmax(x, dim=-1)
+    a = 0
+    if g:
+        idx = torch.tensor(block, dtype=torch.long)
+        q_tok = torch.stack([q[t] for q, t in zip(qs, block)])
+        u = torch.rand(g, generator=gen, dtype=S.PROB_DTYPE)
+        a = int(S.accepted_length(S.accept(p[torch.arange(g), idx], q_tok, u)))
+    if a == g:
+        return a, S.sample_next(logits[g], cfg, context + block, gen)[0]
+    return a, int(S.sample(S.residual(p[a], qs[a]), gen))
+
+
+def _prefill(t: OffloadedTarget, prompt: list[int]) -> None:
+    """Reset the cache and fill it with ``prompt[:-1]`` (no logits needed)."""
+    if not prompt:
+        raise ValueError("the prompt needs at least one token")
+    t.reset()
+    if len(prompt) > 1:
+        t.run_layers(t.embed(prompt[:-1]), 0, t.num_layers)
+
+
+def _finish(ids: list[int], n0: int, new: list[int], eos: set, cap: int) -> bool:
+    """Append ``new`` to ``ids`` up to an EOS or the cap; True when generation ends."""
+    for tok in new:
+        ids.append(tok)
+        if tok in eos or len(ids) - n0 >= cap:
+            return True
+    return False
+
+
+def decode_ar(t: OffloadedTarget, prompt: list[int], max_new_tokens: int,
+              cfg: S.SamplingConfig, seed: int = 0, eos=()) -> tuple[list[int], LocalStats]:
+    """The target alone, one full (streamed) pass per token: the baseline
+    (``local-offload-ar``). Returns ``(generated ids, stats)``."""
+    t0, b0 = time.perf_counter(), t.storage.stats.bytes_read
+    ids, st, eos = list(prompt), LocalStats(), set(eos)
+    _prefill(t, ids)
+    st.prefill_s = time.perf_counter() - t0
+    done = max_new_tokens <= 0
+    while not done:
+        lg = t.forward([ids[-1]])[0]
+        gen = rng.generator(seed, rng.LOCAL_VERIFY, len(ids))
+        tok = S.sample_next(lg, cfg, ids, gen)[0]
+        st.rounds += 1
+        done = _finish(ids, len(prompt), [tok], eos, max_new_tokens)
+    st.committed = len(ids) - len(prompt)
+    st.seconds, st.storage_bytes = time.perf_counter() - t0, t.storage.stats.bytes_read - b0
+    return ids[len(prompt):], st
+
+
+class CatsDecoder:
+    """Self-speculative cascaded decoding on an :class:`OffloadedTarget`.
+
+    Args:
+        target: the budgeted target. head: the exit head at layer ``E = head.layer``
+            (E <= resident layers: drafting reads nothing from storage).
+        depth: the most draft tokens per block (1..8). gate: the cascade's gate on the
+            block's draft probability (0: off). width: 1 + the number of sibling
+            candidates of the block's first token (greedy, :mod:`.siblings`; 1: a chain).
+    Raises:
+        ValueError: the exit layer is not resident or depth is outside 1..8.
+    """
+
+    def __init__(self, target: OffloadedTarget, head: ExitHead, depth: int,
+                 gate: float = 0.0, width: int = 1):
+        if head.layer > target.R or head.layer >= target.num_layers:
+            raise ValueError(f"exit layer {head.layer} is not resident (R={target.R})")
+        if not 1 <= depth <= 8:
+            raise ValueError(f"depth {depth} outside 1..8")
+        self.t, self.head, self.depth, self.gate = target, head, int(depth), float(gate)
+        self.E, self.width, self.sibling_hits = head.layer, max(1, int(width)), 0
+
+    def _draft(self, ids: list[int], k: int, cfg, seed: int):
+        """Up to ``k`` draft tokens from the resident layers (stage 1-2). Returns
+        ``(drafts, qs, residual streams at layer E of [ids[-1], d_1..d_{g-1}], the exit
+        logits after ids[-1] [V])``."""
+        drafts, qs, hs, x, mass, first = [], [], [], ids[-1], 1.0, None
+        for j in range(k):
+            h = self.t.run_layers(self.t.embed([x]), 0, self.E)
+            hs.append(h)
+            lg = self.head.logits(h[0])[0]
+            first = lg if first is None else first
+            gen = rng.generator(seed, rng.LOCAL_DRAFT, len(ids) + j)
+            tok, q = S.sample_next(lg, cfg, ids + drafts, gen)
+            drafts.append(tok)
+            qs.append(q)
+            x = tok
+            mass *= float(q[tok]) if q is not None else float(torch.softmax(lg, -1).max())
+            if mass < self.gate:
+                break
+        return drafts, qs, hs, first
+
+    def round(self, ids: list[int], k: int, cfg, seed: int) -> tuple[list[int], int, int]:
+        """One round: draft, one verification pass, the verdict; the caches end at the
+        confirmed prefix minus its last token. Returns ``(new tokens, drafted,
+        accepted)``."""
+        drafts, qs, hs, first = self._draft(ids, k, cfg, seed) if k else ([], [], [], None)
+        last = drafts[-1] if drafts else ids[-1]
+        hs.append(self.t.run_layers(self.t.embed([last]), 0, self.E))
+        if (self.width > 1 and drafts and cfg.greedy and cfg.repetition_penalty == 1.0):
+            sibs = sibling_ids(first, drafts[0], self.width - 1)
+            if sibs:
+                return self._tree_round(ids, drafts, hs, sibs)
+        h = self.t.run_layers(torch.cat(hs, 1), self.E, self.t.num_layers)
+        logits = self.t.logits(h)                                      # [g+1, V]
+        gen = rng.generator(seed, rng.LOCAL_VERIFY, len(ids))
+        a, nxt = verify_block(logits, ids, drafts, qs, cfg, gen)
+        self.t.crop(len(ids) + a)
+        return drafts[:a] + [nxt], len(drafts), a
+
+    def _tree_round(self, ids: list[int], drafts: list[int], hs: list, sibs: list[int]):
+        """The greedy round with siblings (:mod:`.siblings`): their resident pass, one
+        full pass over chain + siblings, the verdict, the cache cut to the accepted
+        branch. Returns ``(new tokens, drafted, accepted)``."""
+        P, k, m = len(ids) - 1, len(drafts), len(sibs)
+        pos, mask = resident_mask(P, k, m)
+        hs.append(self.t.run_layers(self.t.embed(sibs), 0, self.E, pos, mask))
+        pos, mask = full_inputs(P, k, m)
+        h = self.t.run_layers(torch.cat(hs, 1), self.E, self.t.num_layers, pos, mask)
+        new, a, j = greedy_tree_verdict(self.t.logits(h), drafts, sibs)
+        if j is None:
+            self.t.crop(P + 1 + a)
+        else:
+            self.t.keep(P + 1, [P + 1 + k + j])
+            self.sibling_hits += 1
+        return new, k, a
+
+    def generate(self, prompt: list[int], max_new_tokens: int, cfg: S.SamplingConfig,
+                 seed: int = 0, eos=()) -> tuple[list[int], LocalStats]:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (stops at an EOS id).
+        Returns ``(generated ids, stats)``."""
+        t0, b0 = time.perf_counter(), self.t.storage.stats.bytes_read
+        ids, st, eos, h0 = list(prompt), LocalStats(), set(eos), self.sibling_hits
+        _prefill(self.t, ids)
+        st.prefill_s = time.perf_counter() - t0
+        done = max_new_tokens <= 0
+        while not done:
+            k = min(self.depth, max_new_tokens - (len(ids) - len(prompt)) - 1)
+            new, g, a = self.round(ids, k, cfg, seed)
+            st.rounds, st.drafted, st.accepted = st.rounds + 1, st.drafted + g, st.accepted + a
+            st.accepted_per_round.append(a)
+            done = _finish(ids, len(prompt), new, eos, max_new_tokens)
+            self.t.crop(len(ids) - 1)
+        st.committed = len(ids) - len(prompt)
+        st.seconds = time.perf_counter() - t0
+        st.storage_bytes = self.t.storage.stats.bytes_read - b0
+        st.sibling_hits = self.sibling_hits - h0
+        return ids[len(prompt):], st

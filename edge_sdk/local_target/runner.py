@@ -1,0 +1,183 @@
+"""A memory-budgeted local target: the first ``R`` decoder layers (and the final norm
+and LM head) resident, the other layers streamed from storage into ONE reusable set
+of layer buffers per forward pass (CATS, "parameter offloading patterns": the layers
+that do not fit the budget are loaded per pass; the peak footprint stays at resident
+weights + one streamed layer + KV cache, never the whole target).
+
+The model is built on the ``meta`` device (no memory), then only the resident tensors
+are materialised from the checkpoint; the streamed layers stay on ``meta`` and run
+through :attr:`OffloadedTarget.buffer`, a decoder layer whose parameters are
+overwritten from :class:`~edge_sdk.local_target.storage.Storage` before each use. The
+embedding table may stay on storage too (``resident_embed=False``): a lookup reads
+only the rows of the new tokens (H*2 bytes each in bf16).
+
+Layers run one by one with explicit position ids and a causal mask over each layer's
+own cache length, so a segment ``[a, b)`` can run ahead of the others (the draft's
+resident layers) and the skipped layers get their keys/values later at the *same*
+positions (CASES.md 11; LayerSkip, Elhoushi et al. 2024, §4.2: the draft's KV of the
+shared layers is reused by the verification pass).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from edge_sdk.local_target.storage import Storage
+
+__all__ = ["OffloadedTarget"]
+
+
+class OffloadedTarget:
+    """The target with decoder layers ``0..R-1`` resident and ``R..L-1`` streamed.
+
+    Args:
+        storage: the checkpoint (keys ``model.layers.{i}.*``, ``model.norm.weight``,
+            ``lm_head.weight``, ``model.embed_tokens.weight``).
+        config: the model's HF config. resident_layers: R in 0..L.
+        dtype: compute dtype (the file's tensors are cast). resident_embed: keep the
+            embedding table in memory (else rows are read from storage per token).
+    Raises:
+        ValueError: R outside 0..L. KeyError: a tensor missing from the file.
+    """
+
+    def __init__(self, storage: Storage, config, resident_layers: int,
+                 dtype: torch.dtype = torch.float32, resident_embed: bool = False):
+        L = int(config.num_hidden_layers)
+        if not 0 <= resident_layers <= L:
+            raise ValueError(f"resident_layers={resident_layers} outside 0..{L}")
+        self.storage, self.config, self.dtype = storage, config, dtype
+        self.num_layers, self.R = L, int(resident_layers)
+        self.resident_embed = resident_embed or "lm_head.weight" not in storage.entries
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.model.eval().requires_grad_(False)
+        self._load_resident()
+        inner = self.model.model
+        inner.rotary_emb = type(inner.rotary_emb)(config=config)      # real inv_freq
+        self.buffer = self._make_buffer() if self.R < L else None
+        self.cache = DynamicCache(config=config)
+        self.streamed_passes = 0
+
+    def _resident_keys(self) -> list[str]:
+        keys = ["model.norm.weight", "lm_head.weight"]
+        if self.resident_embed:
+            keys.append("model.embed_tokens.weight")
+        pre = tuple(f"model.layers.{i}." for i in range(self.R))
+        keys += [k for k in self.storage.entries if k.startswith(pre)]
+        return [k for k in keys if k in self.storage.entries]
+
+    def _load_resident(self) -> None:
+        """Materialise the resident tensors (each read once, charged to the storage)."""
+        sd = {}
+        for k in self._resident_keys():
+            sd[k] = torch.empty(self.storage.entries[k][1], dtype=self.dtype)
+            self.storage.read_into(k, sd[k])
+        if "lm_head.weight" not in sd:                 # tied head: share the embedding
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        self.model.load_state_dict(sd, strict=False, assign=True)
+
+    def _make_buffer(self) -> torch.nn.Module:
+        """The one reusable decoder layer the streamed layers are loaded into."""
+        layer_cls = type(self.model.model.layers[0])
+        with torch.device("meta"):
+            buf = layer_cls(self.config, layer_idx=self.R).to(self.dtype)
+        # cast on meta, then allocate: never a float32 copy (it would stay in the RSS)
+        return buf.to_empty(device="cpu").eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------ accounting
+
+    def layer_bytes(self, i: int) -> int:
+        """Bytes of decoder layer ``i`` in the file."""
+        pre = f"model.layers.{i}."
+        return sum(self.storage.nbytes(k) for k in self.storage.entries if k.startswith(pre))
+
+    def resident_bytes(self) -> int:
+        """Bytes of the materialised tensors (resident weights + the layer buffer)."""
+        seen, n = set(), 0
+        mods = [self.model] + ([self.buffer] if self.buffer is not None else [])
+        for m in mods:
+            for t in list(m.parameters()) + list(m.buffers()):
+                if t.device.type != "meta" and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    n += t.numel() * t.element_size()
+        return n
+
+    # ------------------------------------------------------------------ forward
+
+    def layer(self, i: int) -> torch.nn.Module:
+        """Decoder layer ``i``, ready to run: the resident module, or the buffer loaded
+        with layer ``i``'s weights from storage (its attention writes cache slot i)."""
+        if i < self.R:
+            return self.model.model.layers[i]
+        self.streamed_passes += i == self.R
+        for name, p in self.buffer.named_parameters():
+            self.storage.read_into(f"model.layers.{i}.{name}", p.data)
+        self.buffer.self_attn.layer_idx = i
+        return self.buffer
+
+    def cache_len(self, i: int) -> int:
+        """Tokens in the KV cache of layer ``i``."""
+        return int(self.cache.layers[i].get_seq_length())
+
+    @torch.inference_mode()
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        """Input embeddings of ``ids`` [q] -> [1, q, H] (compute dtype)."""
+        t = torch.tensor(list(ids), dtype=torch.long)
+        if self.resident_embed:
+            return self.model.model.embed_tokens(t)[None]
+        return self.storage.rows("model.embed_tokens.weight", t).to(self.dtype)[None]
+
+    @torch.inference_mode()
+    def run_layers(self, h: torch.Tensor, a: int, b: int, pos: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run decoder layers ``a..b-1`` on ``h`` [1, q, H]; by default the positions
+        continue the cache of layer ``a`` (all layers of the segment must hold the same
+        length P) under a causal mask. A token tree passes its own ``pos`` long [1, q]
+        and ``mask`` bool [1, 1, q, P + q] (True: attend).
+
+        Returns the residual stream after layer ``b-1`` [1, q, H]; each layer's cache
+        grows by q. Raises AssertionError when the segment's caches disagree."""
+        P, q = self.cache_len(a), h.shape[1]
+        if any(self.cache_len(i) != P for i in range(a, b)):
+            raise AssertionError(f"layers {a}..{b - 1} hold different cache lengths")
+        if pos is None:
+            pos = torch.arange(P, P + q).unsqueeze(0)
+        pe = self.model.model.rotary_emb(h, pos)
+        if mask is None and q > 1:
+            mask = torch.ones(q, P + q, dtype=torch.bool).tril(P)[None, None]
+        for i in range(a, b):
+            h = self.layer(i)(h, attention_mask=mask, position_ids=pos, cache=self.cache,
+                              use_cache=True, position_embeddings=pe)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head of the last layer's output [1, q, H] -> float32 [q, V]."""
+        return self.model.lm_head(self.model.model.norm(h))[0].float()
+
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        """A full pass over new tokens ``ids`` [q] (all layers continue one cache
+        length): float32 logits [q, V]."""
+        h = self.run_layers(self.embed(ids), 0, self.num_layers)
+        return self.logits(h)
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` cached tokens of every layer (longer layers only)."""
+        for lay in self.cache.layers:
+            have = int(lay.get_seq_length())
+            if have > n:
+                lay.crop(n - have)
+
+    def keep(self, n: int, extra: list[int]) -> None:
+        """Keep the first ``n`` cached tokens of every layer plus the entries at cache
+        indexes ``extra`` (in that order): the accepted branch of a token tree."""
+        idx = torch.tensor(list(range(n)) + list(extra), dtype=torch.long)
+        for lay in self.cache.layers:
+            if lay.get_seq_length() > n:
+                lay.keys = lay.keys.index_select(-2, idx)
+                lay.values = lay.values.index_select(-2, idx)
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        self.cache = DynamicCache(config=self.config)

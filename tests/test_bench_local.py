@@ -1,0 +1,47 @@
+"""``specrelay bench --modes local-offload-ar,cats --memory-budget ...`` end to end on a
+tiny checkpoint folder: each cell in a fresh process with its peak RSS, the budget and
+storage in the profile label, a ratio row, greedy outputs identical."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from click.testing import CliRunner
+
+from conftest import tiny_model, tiny_tokenizer
+from edge_sdk.exit_head import untrained_head
+from edge_sdk.exit_store import save_exit_head
+from edge_sdk.local_target.load import open_local_target
+
+BUDGET = "1.2MB"     # 2 of the 4 layers resident (+ one streamed buffer + KV reserve)
+STORAGE = "1MB/s"    # 74 ms per streamed pass: speculation pays
+
+
+def test_local_bench_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tiny"
+    model = tiny_model(layers=4, seed=2)
+    model.save_pretrained(folder)           # model.safetensors, config, generation config
+    tiny_tokenizer().save_pretrained(folder)
+    local = open_local_target(str(folder), BUDGET, STORAGE, "float32")
+    assert local.target.R == 2 and local.plan.depth >= 1
+    head = untrained_head(local.target.model, local.plan.exit_layer)  # cached: no fit
+    H = model.config.hidden_size
+    head.weight, head.bias = torch.eye(H), torch.zeros(H)
+    save_exit_head(head, 32768, {"test": True})
+
+    from specrelay_cli import main
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "--modes", "local-offload-ar,cats",
+                                    "--memory-budget", BUDGET, "--storage", STORAGE,
+                                    "--workloads", "humaneval", "--prompts", "1",
+                                    "--max-new-tokens", "6", "--dtype", "float32",
+                                    "--target", str(folder), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads((out / "results.json").read_text())
+    assert {x["mode"] for x in r["runs"]} == {"local-offload-ar", "cats"}
+    assert {x["profile"] for x in r["runs"]} == {"mem1.2MB-1MB/s"}
+    assert all(x["peak_rss_bytes"] > 0 for x in r["runs"])
+    assert r["ratios"] and r["config"]["greedy_identity"] == {"compared": 1, "identical": 1}
+    assert "mem1.2MB-1MB/s" in (out / "summary.md").read_text()
