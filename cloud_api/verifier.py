@@ -74,17 +74,8 @@ class Verifier:
         ApiError per item, in order; each session ends at its own confirmed prefix.
         ``sinks``: per item a callable taking the block's EarlyVerdict (called on the
         target thread, mid-pass), or None."""
-        results: list = [None] * len(items)
         self._provisional.clear()
-        ready = []
-        for i, (s, req) in enumerate(items):
-            try:
-                self.check(s, req)
-            except ApiError as e:
-                results[i] = e
-                continue
-            context = s.tokens + ([req.pending_commit] if s.awaiting else [])
-            ready.append((i, s, req, context, [int(t) for t in req.tokens]))
+        results, ready = self.ready_blocks(items)
         if len({id(s) for _, s, *_ in ready}) != len(ready):
             raise AssertionError("two blocks of one session in a batch")
         if not ready:
@@ -141,6 +132,23 @@ class Verifier:
         self.early_hits += hit
         if self.on_early_outcome is not None:
             self.on_early_outcome(hit)
+
+    def ready_blocks(self, items: list[tuple[Session, VerifyRequest]]) -> tuple[list, list]:
+        """Check every (session, request) pair. Returns ``(results, ready)``: one slot
+        per item (its ApiError, or None), and ``(index, session, request, context,
+        block ids)`` of the blocks that passed; ``context`` is the confirmed prefix plus
+        any pending correction token."""
+        results: list = [None] * len(items)
+        ready = []
+        for i, (s, req) in enumerate(items):
+            try:
+                self.check(s, req)
+            except ApiError as e:
+                results[i] = e
+                continue
+            context = s.tokens + ([req.pending_commit] if s.awaiting else [])
+            ready.append((i, s, req, context, [int(t) for t in req.tokens]))
+        return results, ready
 
     def verify(self, s: Session, req: VerifyRequest) -> VerifyResponse:
         """Verify one block (a batch of one). Raises ApiError."""

@@ -79,16 +79,7 @@ class ScoringVerifier(Verifier):
         """Score the ready blocks of ``items`` in one engine request and decide each.
         Returns one VerifyResponse or ApiError per item (503 ``engine_unavailable``
         for all of them when the engine fails: retried, nothing committed)."""
-        results: list = [None] * len(items)
-        ready = []
-        for i, (s, req) in enumerate(items):
-            try:
-                self.check(s, req)
-            except ApiError as e:
-                results[i] = e
-                continue
-            context = s.tokens + ([req.pending_commit] if s.awaiting else [])
-            ready.append((i, s, req, context, [int(t) for t in req.tokens]))
+        results, ready = self.ready_blocks(items)
         if not ready:
             return results
         t0 = time.perf_counter()
