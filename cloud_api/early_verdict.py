@@ -13,7 +13,6 @@ Advisory only: nothing is committed from it.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from edge_sdk.protocol import rng
@@ -51,19 +50,11 @@ def provisional_verdict(cfg: S.SamplingConfig, seed: int, context: list[int],
         correction token is drawn on the edge from the final distribution).
     """
     g = len(block)
-    idx = torch.tensor(block, dtype=torch.long)
-    seen = (S.presence_mask(torch.tensor(context), idx, logits.shape[-1])
-            if cfg.repetition_penalty != 1.0 else None)
-    x = S.process_logits(logits, cfg, seen)
+    x = S.process_block(logits, cfg, context, block)
     if cfg.greedy:
-        return _greedy(idx, x, topk)
+        return _greedy(torch.tensor(block, dtype=torch.long), x, topk)
     gen = rng.generator(seed, rng.VERIFY, len(context))              # the final's draws
-    a = 0
-    if g:
-        p = torch.softmax(x, dim=-1)
-        u = torch.rand(g, generator=gen, dtype=S.PROB_DTYPE)
-        q = torch.tensor(np.array(q_tok, dtype=np.float64))
-        a = int(S.accepted_length(S.accept(p[torch.arange(g), idx], q, u)))
+    a = S.sampled_accepts(torch.softmax(x, dim=-1), block, q_tok, gen)
     if a < g:
         return a, None
     return a, S.sample_next(logits[g], cfg, context + block, gen)[0]

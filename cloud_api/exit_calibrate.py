@@ -20,6 +20,8 @@ from typing import Sequence
 import torch
 
 from cloud_api.early_exit import ExitHead, decoder_layers, restricted_vocab
+from cloud_api.early_verdict import provisional_verdict
+from edge_sdk.protocol import sampling as S
 
 __all__ = ["provisional", "final_verdict", "calibrate", "select", "plot", "RULES"]
 
@@ -31,25 +33,21 @@ COVERAGE_K = (8192, 16384, 32768, 65536, 100000)
 """Restricted vocabulary sizes whose coverage of the final next tokens is reported."""
 
 
+GREEDY = S.SamplingConfig()
+
+
 def provisional(early: torch.Tensor, block: Sequence[int], k: int) -> tuple[int, int]:
-    """The provisional verdict ``(a', n')`` of early logits ``early`` float32 [g+1, V]
-    on draft ``block`` [g]: a' = the first position whose draft token is not among the
-    top-``k`` early logits (g when none), n' = the early argmax at row a'."""
-    g = len(block)
-    if g:
-        top = early[:g].topk(k, dim=-1).indices                      # [g, k]
-        ok = (top == torch.tensor(list(block)).unsqueeze(1)).any(-1)
-        bad = (~ok).nonzero()
-        a = int(bad[0, 0]) if len(bad) else g
-    else:
-        a = 0
-    return a, int(early[a].argmax())
+    """The greedy provisional verdict ``(a', n')`` the server streams for early logits
+    ``early`` float32 [g+1, V] on draft ``block`` [g] with rank rule ``k``
+    (:func:`cloud_api.early_verdict.provisional_verdict`, the same function)."""
+    return provisional_verdict(GREEDY, 0, [], list(block), None, early, k)
 
 
 def final_verdict(logits: torch.Tensor, block: Sequence[int]) -> tuple[int, int]:
     """The greedy verdict ``(a, n)`` of the target's logits [g+1, V] on ``block``:
-    accepted count and the target's next token."""
-    return provisional(logits, block, 1)
+    accepted count and the target's next token (the verifier's rule)."""
+    return S.greedy_verify(torch.tensor(list(block), dtype=torch.long),
+                           S.process_logits(logits, GREEDY))
 
 
 class _Capture:

@@ -27,6 +27,14 @@ from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionRes
 log = logging.getLogger("cloud_api")
 
 
+def _q_tok(s: Session, req: VerifyRequest, block: list[int]) -> torch.Tensor:
+    """float64 [g]: the draft's probability of each block token (the standard
+    protocol's full rows, or the compact protocol's uploaded values)."""
+    if s.mode == "standard":
+        return torch.tensor(np.asarray(req.q_full)[np.arange(len(block)), block])
+    return torch.tensor(np.array(req.q_tok, dtype=np.float64))
+
+
 class Verifier:
     """Verifies blocks against the target model.
 
@@ -110,8 +118,7 @@ class Verifier:
         h = out[0] if isinstance(out, tuple) else out             # [B, T, H]
         for b, i, s, req, context, block, sink in rows:
             try:
-                q = (req.q_full[np.arange(len(block)), block] if req.q_full is not None
-                     else req.q_tok)
+                q = None if s.cfg.greedy else _q_tok(s, req, block)
                 a, nxt = provisional_verdict(
                     s.cfg, s.seed, context, block, q,
                     self.early_head.logits(h[b, :len(block) + 1]),
@@ -214,9 +221,7 @@ class Verifier:
         ``context + block[:i]``; ``-inf`` where a scoring backend returned no score):
         (accepted, next token or None, Correction or None, rejected p row or None,
         near-tie offsets). Mutates nothing."""
-        seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long),
-                                self.vocab_size) if s.cfg.repetition_penalty != 1.0 else None)
-        x = S.process_logits(logits, s.cfg, seen)               # float64 [g+1, V]
+        x = S.process_block(logits, s.cfg, context, block)      # float64 [g+1, V]
         # indexed by the block's position, not its sequence number: a session re-created
         # from the confirmed prefix after a restart draws exactly what the lost one would
         gen = rng.generator(s.seed, rng.VERIFY, len(context))
@@ -257,15 +262,7 @@ class Verifier:
         processed target rows after ``context + block[:i]``. Returns (accepted, next
         token or None, Correction or None, the rejected position's p row or None)."""
         g = len(block)
-        if g:
-            idx = torch.tensor(block, dtype=torch.long)
-            p_tok = p[torch.arange(g), idx]
-            q_tok = (torch.tensor(req.q_full[np.arange(g), block]) if s.mode == "standard"
-                     else torch.tensor(np.array(req.q_tok)))
-            u = torch.rand(g, generator=gen, dtype=S.PROB_DTYPE)
-            a = int(S.accepted_length(S.accept(p_tok, q_tok, u)))
-        else:
-            a = 0
+        a = S.sampled_accepts(p, block, _q_tok(s, req, block), gen) if g else 0
         if a == g:                                   # all accepted: bonus from p_{g+1}
             return a, S.sample_next(logits[g], s.cfg, context + block, gen)[0], None, None
         if s.mode == "standard":                     # baseline: cloud draws the residual

@@ -113,11 +113,14 @@ def test_provisional_verdict_rules():
     early[0, 5], early[0, 3] = 2.0, 1.0     # row 0: argmax 5, runner-up 3
     early[1, 6] = 2.0                       # row 1: argmax 6
     early[2, 1], early[3, 2] = 2.0, 2.0
+    early[2, 7] = -2.0                      # row 2: 7 is last, below every tie
     assert provisional(early, [5, 6, 7], 1) == (2, 1)   # 7 not the argmax at row 2
     assert provisional(early, [3, 6, 7], 1) == (0, 5)
     assert provisional(early, [3, 6, 7], 2) == (2, 1)   # 3 is in the top-2 of row 0
     assert provisional(early, [5, 6, 1], 1) == (3, 2)   # all accepted: row g
     assert final_verdict(early, []) == (0, 5)
+    # the server's rank rule (ties count for the draft): 4 ties the row-2 runner-ups
+    assert provisional(early, [3, 6, 4], 2) == (3, 2)
 
 
 def test_calibrate_end_to_end_on_tiny_pair(deep, seqs, tmp_path, cache, capsys):

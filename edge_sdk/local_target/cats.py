@@ -82,19 +82,13 @@ def verify_block(logits: torch.Tensor, context: list[int], block: list[int],
     Args: logits float32 [g+1, V] after ``context + block[:i]``; qs: the draft's
     processed distributions float64 [V] per draft (None when greedy).
     Returns ``(accepted drafts, next token)`` (correction or bonus)."""
-    V, g = logits.shape[-1], len(block)
-    seen = (S.presence_mask(torch.tensor(context), torch.tensor(block, dtype=torch.long), V)
-            if cfg.repetition_penalty != 1.0 else None)
-    x = S.process_logits(logits, cfg, seen)
+    g = len(block)
+    x = S.process_block(logits, cfg, context, block)
     if cfg.greedy:
         return S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
     p = torch.softmax(x, dim=-1)
-    a = 0
-    if g:
-        idx = torch.tensor(block, dtype=torch.long)
-        q_tok = torch.stack([q[t] for q, t in zip(qs, block)])
-        u = torch.rand(g, generator=gen, dtype=S.PROB_DTYPE)
-        a = int(S.accepted_length(S.accept(p[torch.arange(g), idx], q_tok, u)))
+    q_tok = torch.stack([q[t] for q, t in zip(qs, block)]) if g else None
+    a = S.sampled_accepts(p, block, q_tok, gen)
     if a == g:
         return a, S.sample_next(logits[g], cfg, context + block, gen)[0]
     return a, int(S.sample(S.residual(p[a], qs[a]), gen))

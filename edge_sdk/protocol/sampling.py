@@ -246,6 +246,35 @@ def accepted_length(verdicts: torch.Tensor) -> torch.Tensor:
     return verdicts.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
 
 
+def process_block(logits: torch.Tensor, cfg: "SamplingConfig", context: Sequence[int],
+                  block: Sequence[int]) -> torch.Tensor:
+    """The processed target rows of one block: raw logits [g+1, V] (row i after
+    ``context + block[:i]``) -> float64 [g+1, V] after the presence mask (repetition
+    penalty) and the config's processors. The one place verification processes rows
+    (cloud verifier, FSD's provisional verdict, the edge's local target)."""
+    idx = torch.tensor(list(block), dtype=torch.long)
+    seen = (presence_mask(torch.tensor(list(context)), idx, logits.shape[-1])
+            if cfg.repetition_penalty != 1.0 else None)
+    return process_logits(logits, cfg, seen)
+
+
+def sampled_accepts(p: torch.Tensor, block: Sequence[int], q_tok: torch.Tensor,
+                    gen: torch.Generator | None) -> int:
+    """Speculative sampling's acceptance over one block (Leviathan et al. 2023, Alg. 1):
+    draws ``g`` uniforms from ``gen`` and accepts while ``u_i < p_i(d_i) / q_i(d_i)``.
+
+    Args: p float64 [g+1, V] processed target probabilities; block [g] draft ids;
+    q_tok float64 [g], the draft's probability of each of its tokens.
+    Returns the accepted count (0..g); draws nothing for an empty block."""
+    g = len(block)
+    if not g:
+        return 0
+    idx = torch.tensor(list(block), dtype=torch.long)
+    u = torch.rand(g, generator=gen, dtype=PROB_DTYPE)
+    return int(accepted_length(accept(p[torch.arange(g), idx],
+                                      torch.as_tensor(q_tok, dtype=PROB_DTYPE), u)))
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Unnormalised residual ``max(0, p - q)`` [..., V] (its sum is TV(p, q) = Z).
 
