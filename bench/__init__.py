@@ -9,6 +9,6 @@
 * :mod:`bench.linkem` — the user-space link emulator (network profiles, shaping proxy);
 * :mod:`bench.modes` — how the edge produces a completion, one mode family per file;
 * :mod:`bench.report` — metrics, ratios, identity, ``results.json``, summary, plots;
-* :mod:`bench.workloads` — the prompts; :mod:`bench.loadtest`,
+* :mod:`specrelay_data.workloads` — the prompts; :mod:`bench.loadtest`,
   :mod:`bench.shape_invariance` — standalone probes.
 """

@@ -12,7 +12,7 @@ from bench.config import DEFAULT_CONCURRENCY, SAMPLING_PRESETS, BenchConfig
 from bench.linkem.profiles import PROFILES, Profile
 from bench.modes.base import BenchRequest
 from bench.report.labels import SLOW_SUFFIX, split_contention, workload_label
-from bench.workloads import Prompt, load_workload
+from specrelay_data.workloads import Prompt, load_workload
 
 __all__ = ["Cell", "sampling_config", "profile", "encode_requests", "concurrency_values",
            "is_concurrent", "requests_per_cell", "cell_prompts", "plan_cells"]

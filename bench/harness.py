@@ -45,7 +45,7 @@ from bench.report.outputs import write_outputs
 from bench.report.ratios import (adaptive_ratios, best_fixed, compute_ratios, pipeline_ratios,
                                  ratio_specs, strongest_baselines)
 from bench.report.schema import validate_results
-from bench.workloads import load_workload
+from specrelay_data.workloads import load_workload
 
 __all__ = ["run_bench"]
 

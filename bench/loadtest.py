@@ -192,7 +192,7 @@ def soak(target, draft, n_prompts, concurrency, duration, max_new, depth, rpm, p
          sampled) -> dict:
     """Load the models, serve, run the load through the link emulator; the report."""
     from bench.linkem import LinkEmulatorThread
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from cloud_api.local import local_server
     from edge_sdk.drafters.torch import TorchDrafter
     from edge_sdk.models import encode_prompt, load_model

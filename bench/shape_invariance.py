@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--attn", default="eager,sdpa", help="attention implementations")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import encode_prompt, load_model
 
     torch.set_num_threads(args.threads)

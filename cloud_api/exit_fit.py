@@ -82,9 +82,9 @@ def collect_hidden(model, seqs: Sequence[Sequence[int]], layers: Sequence[int]
 
 
 def heldout_prompts(n_code: int, n_chat: int) -> tuple[list, list]:
-    """The HumanEval and MT-Bench prompts (``bench.workloads.Prompt``) at seed-0 indexes
+    """The HumanEval and MT-Bench prompts (``specrelay_data.workloads.Prompt``) at seed-0 indexes
     from :data:`HELDOUT_START` on: never among the benchmark's evaluated prompts."""
-    from bench.workloads import load_workload   # data packages: only when fitting
+    from specrelay_data.workloads import load_workload   # data packages: only when fitting
 
     he = load_workload("humaneval")[HELDOUT_START["humaneval"]:][:n_code]
     mt = load_workload("mtbench")[HELDOUT_START["mtbench"]:][:n_chat]
@@ -97,7 +97,7 @@ def calibration_text(tokenizer, n_code: int = 16, n_chat: int = 16, max_len: int
     prompts + their canonical solutions, and both user turns of ``n_chat`` held-out
     MT-Bench questions, each wrapped in the chat template. Raises RuntimeError when the
     workload data packages are missing."""
-    from bench.workloads import humaneval_problems, mtbench_questions
+    from specrelay_data.workloads import humaneval_problems, mtbench_questions
     from edge_sdk.models import encode_prompt
 
     he, mt = heldout_prompts(n_code, n_chat)

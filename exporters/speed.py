@@ -159,7 +159,7 @@ def agreement_prompts(tokenizer, vocab: int, workload_prompts: int = 0
                       ) -> list[tuple[str, list[int]]]:
     """``(kind, ids)`` for the :data:`AGREEMENT_PROMPTS` (chat template), plus
     ``workload_prompts`` HumanEval prompts (kind code, raw completion) and as many
-    MT-Bench questions (kind chat, chat template) from :mod:`bench.workloads`.
+    MT-Bench questions (kind chat, chat template) from :mod:`specrelay_data.workloads`.
     Without a tokenizer: two fixed random-id prompts."""
     if tokenizer is None:
         from exporters.onnx.parity import default_prompt
@@ -170,7 +170,7 @@ def agreement_prompts(tokenizer, vocab: int, workload_prompts: int = 0
     out = [(kind, encode_prompt(tokenizer, text, chat=True))
            for kind, text in AGREEMENT_PROMPTS]
     if workload_prompts:
-        from bench.workloads import load_workload
+        from specrelay_data.workloads import load_workload
 
         for name, kind in (("humaneval", "code"), ("mtbench", "chat")):
             for p in load_workload(name, workload_prompts, seed=0):

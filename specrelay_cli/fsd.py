@@ -102,7 +102,7 @@ def _heads(tm, tok, layers, vocab, refit):
 
 
 def _prompts(tok, n):
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import encode_prompt
 
     return [(w, encode_prompt(tok, p.text, p.kind == "chat"))

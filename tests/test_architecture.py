@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("edge_sdk", "cloud_api", "exporters", "bench", "specrelay_cli")
+PACKAGES = ("edge_sdk", "cloud_api", "exporters", "bench", "specrelay_cli", "specrelay_data")
 
 
 def _modules() -> dict[str, Path]:
@@ -139,6 +139,17 @@ def test_sdk_imports_no_exporters():
     assert upward_imports(graph, "edge_sdk", "exporters", set(SDK_TO_EXPORTERS_ALLOWED)) == []
     for (m, d) in SDK_TO_EXPORTERS_ALLOWED:   # an allowance that is no longer used goes
         assert d in graph.get(m, set()), f"unused allowance {m} -> {d}"
+
+
+def test_server_exporters_and_sdk_import_no_bench():
+    """Not even lazily: the benchmark stands above the server, the exporters and the SDK
+    (the prompt sets they share live in ``specrelay_data``), and the prompt reader
+    imports none of them."""
+    graph = import_graph()
+    for low in ("cloud_api", "exporters", "edge_sdk", "specrelay_data"):
+        assert upward_imports(graph, low, "bench") == [], low
+    for high in ("cloud_api", "exporters"):
+        assert upward_imports(graph, "specrelay_data", high) == []
 
 
 def _loaded_after(code: str) -> tuple[set[str], dict]:

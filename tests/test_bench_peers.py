@@ -21,7 +21,7 @@ from bench.config import BenchConfig
 from bench.harness import run_bench
 from bench.modes import BenchRequest, EdgeContext, RunSetup, get_mode, mode_names
 from bench.report.ratios import ratio_specs
-from bench.workloads import Prompt
+from specrelay_data.workloads import Prompt
 from edge_sdk.protocol.sampling import SamplingConfig
 from tests.conftest import tiny_model, tiny_tokenizer
 
@@ -202,7 +202,7 @@ def test_llamacpp_greedy_matches_transformers_target():
     flip a later argmax; the first tokens are robust)."""
     import torch
 
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import encode_prompt, load_model, load_tokenizer
 
     target, draft = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"

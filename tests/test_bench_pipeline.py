@@ -22,7 +22,7 @@ from bench.modes.concurrent import BusyExecutor, ConcurrentMode
 from bench.report.labels import point_label, split_point
 from bench.report.ratios import (CONCURRENT_BASELINES, STRONGEST, pipeline_ratios,
                                  strongest_baselines)
-from bench.workloads import Prompt
+from specrelay_data.workloads import Prompt
 from tests.conftest import tiny_model, tiny_tokenizer
 
 CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent",

@@ -23,7 +23,7 @@ from bench.harness import run_bench
 from bench.modes import MODES, BenchMode, get_mode, register_mode
 from bench.modes.cloud_stream import CloudStreamClient
 from bench.modes.measure import breakdown
-from bench.workloads import Prompt
+from specrelay_data.workloads import Prompt
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.protocol.sampling import SamplingConfig
 from tests.conftest import tiny_model, tiny_tokenizer

@@ -152,7 +152,7 @@ def test_calibrate_end_to_end_on_tiny_pair(deep, seqs, tmp_path, cache, capsys):
 
 
 def test_calibration_text_uses_only_held_out_prompts():
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from cloud_api.exit_fit import heldout_prompts
 
     try:

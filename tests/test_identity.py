@@ -108,7 +108,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def real_prompts(smollm2):
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import encode_prompt
 
     _, tok = smollm2

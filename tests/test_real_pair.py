@@ -63,7 +63,7 @@ def test_greedy_identity_on_real_prompts_through_the_signed_server(pair):
     from cloud_api.keys import SQLiteKeyStore
     from cloud_api.server import BackgroundServer
     from edge_sdk import EdgeClient
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import encode_prompt
     from edge_sdk.protocol.signing import Signer
 

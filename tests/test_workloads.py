@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bench.workloads import Prompt, load_workload
+from specrelay_data.workloads import Prompt, load_workload
 
 
 def test_mtbench_all_80_first_turns():

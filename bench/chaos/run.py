@@ -40,7 +40,7 @@ def _prompts(tok, n: int, seed: int, length: int = 64) -> list[list[int]]:
     """``n`` HumanEval prompts (completion prompts, no chat template) as token ids, each
     cut to its first ``length`` tokens: the faults do not depend on the prompt, the
     prefill time (8 creates of a pipeline at once) does."""
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import encode_prompt
 
     return [list(encode_prompt(tok, p.text, False))[:length]

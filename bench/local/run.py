@@ -64,7 +64,7 @@ def _metrics(recs: list[dict]) -> dict:
 def _requests(target: str, workloads: Sequence[str], sampling: str, prompts: int,
               seed: int) -> list[dict]:
     from bench.cells import encode_requests
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import load_tokenizer
 
     tok, out = load_tokenizer(target), []

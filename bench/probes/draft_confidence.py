@@ -23,7 +23,7 @@ def traces(n_prompts: int, tokens: int) -> list[tuple[str, list[tuple[float, boo
     """``(workload, [(draft top-1 prob, draft argmax == target token)] per position)``."""
     import torch
 
-    from bench.workloads import load_workload
+    from specrelay_data.workloads import load_workload
     from edge_sdk.models import encode_prompt, load_model
 
     torch.set_num_threads(2)

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.workloads import humaneval_problems, mtbench_questions
+from specrelay_data.workloads import humaneval_problems, mtbench_questions
 
 
 @dataclass
@@ -26,7 +26,7 @@ class PromptItem:
 
 def builtin_prompts() -> list[PromptItem]:
     """MT-Bench questions (chat, with their second turn) and HumanEval problems
-    (completion), read by :mod:`bench.workloads` from the installed packages' data files
+    (completion), read by :mod:`specrelay_data.workloads` from the installed packages' data files
     (never imported). A package that is missing, or lacks its data file, adds nothing."""
     out: list[PromptItem] = []
     try:
