@@ -1,8 +1,8 @@
 """``specrelay`` command line: serve, generate, demo, edge-serve, keys, export, draft, bench,
-fsd.
+fsd, wisv.
 
 The group :data:`main` and its error policy live here; each command lives in its own
-module (``serve``, ``generate`` with ``demo``, ``edge_serve``) or in its package
+module (``serve``, ``generate`` with ``demo``, ``edge_serve``, ``fsd``, ``wisv``) or in its package
 (``cloud_api.keys_cli``, ``exporters.cli``, ``exporters.distill``, ``bench.cli``).
 Run as ``specrelay`` or ``python -m specrelay_cli``."""
 
@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # no "Loading weigh
 from bench.cli import bench  # noqa: E402
 from cloud_api.keys_cli import keys  # noqa: E402
 from exporters.cli import export  # noqa: E402
-from specrelay_cli import edge_serve, fsd, generate, serve  # noqa: E402
+from specrelay_cli import edge_serve, fsd, generate, serve, wisv  # noqa: E402
 from specrelay_cli.lazy import LazyGroup  # noqa: E402
 
 __all__ = ["main", "EXTRA_OF_MODULE"]
@@ -128,3 +128,4 @@ main.add_command(keys)
 main.add_command(export)
 main.add_command(bench)
 main.add_command(fsd.fsd)
+main.add_command(wisv.wisv)

@@ -47,7 +47,7 @@ def test_every_command_is_registered():
 
     assert set(specrelay_cli.main.commands) == {
         "serve", "generate", "demo", "edge-serve", "keys", "export", "draft", "bench",
-        "fsd"}
+        "fsd", "wisv"}
     draft = specrelay_cli.main.commands["draft"]
     assert draft.list_commands(click.Context(draft)) == ["distill"]
 

@@ -1,0 +1,160 @@
+"""``specrelay wisv``: WISV's opt-in semantic acceptance. ``train`` labels greedy
+draft/target mismatches on held-out text and fits the verifier's decision head;
+``eval`` runs exact and semantic acceptance side by side through the benchmark's signed
+server path and executes the HumanEval completions (torch and the bench import only
+when a command runs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+__all__ = ["wisv"]
+
+
+@click.group()
+def wisv():
+    """WISV semantic acceptance (lossy, opt-in): train the decision head, evaluate it."""
+
+
+class _Bar:
+    """A tqdm bar on stderr fed by ``progress(done, total, text)`` callbacks; one bar
+    per phase (a new total or a new phase name starts a new bar)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar, self.phase = enabled, None, None
+
+    def __call__(self, done: int, total: int, text: str) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        phase = text.split(":", 1)[0] if "greedy answers" in text else "labelling"
+        if self.bar is None or phase != self.phase or total != self.bar.total:
+            self.close()
+            self.phase = phase
+            self.bar = tqdm(total=total, desc=phase, file=sys.stderr, unit="seq",
+                            dynamic_ncols=True)
+        self.bar.n = done
+        self.bar.set_postfix_str(text.rsplit(":", 1)[-1].strip()[:40], refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+@wisv.command("train", context_settings={"show_default": True})
+@click.option("--target", default="qwen2.5-coder-1.5b", help="Target model (preset or path).")
+@click.option("--draft", default="qwen2.5-coder-0.5b", help="Draft model (torch; preset or path).")
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16"]),
+              help="dtype of both models.")
+@click.option("--code", "n_code", default=64, type=click.IntRange(0, 64),
+              help="Held-out HumanEval problems (seed-0 order, from index 100).")
+@click.option("--chat", "n_chat", default=32, type=click.IntRange(0, 32),
+              help="Held-out MT-Bench questions (seed-0 order, from index 48).")
+@click.option("--code-greedy-tokens", default=128, type=click.IntRange(0),
+              help="Also label the target's own greedy completion of each HumanEval "
+              "prompt, this many tokens (0: canonical solutions only).")
+@click.option("--answer-tokens", default=64, type=click.IntRange(1),
+              help="Tokens of the target's greedy MT-Bench answers.")
+@click.option("-n", "--rollout", "n", default=12, type=click.IntRange(1, 256),
+              help="Greedy rollout tokens after each branch of a mismatch.")
+@click.option("--delta", default=1.5, type=click.FloatRange(0.0),
+              help="Label margin in nats: acceptable iff S(draft) >= S(target) - delta.")
+@click.option("--width", default=0, type=click.IntRange(0),
+              help="Hidden width of the head (0: logistic regression).")
+@click.option("--batch", default=12, type=click.IntRange(1),
+              help="Mismatches per batched rollout (2 x this many rows a pass).")
+@click.option("--threads", default=1, type=click.IntRange(1),
+              help="torch threads (one is faster than two oversubscribed on a shared "
+              "2-core machine).")
+@click.option("--out", "-o", default=None, type=click.Path(dir_okay=False),
+              help="Head file (.safetensors; the .json manifest goes beside it) "
+              "[default: cloud_api/assets/wisv/<target>.safetensors].")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_tokens, n,
+          delta, width, batch, threads, out, no_progress):
+    """Label greedy mismatches of the real pair on held-out text and fit the head.
+
+    \b
+    Label: the target rolls out N tokens after the draft token d and after its own t;
+    acceptable iff its log-likelihood of d + continuation is within DELTA nats of
+    t + continuation. Labelled sequences are cached ($SPECRELAY_CACHE/wisv/).
+    Example:
+      specrelay wisv train --code 64 --chat 32 -n 12 --delta 1.5
+    """
+    if n_code + n_chat == 0:
+        raise click.BadParameter("at least one of --code / --chat must be > 0",
+                                 param_hint="--code/--chat")
+    from cloud_api.wisv.train import train_head
+
+    bar = _Bar(not no_progress)
+    t0 = time.monotonic()
+    try:
+        man = train_head(target, draft, n_code, n_chat, n, delta, answer_tokens,
+                         code_greedy_tokens, out, dtype, threads, widths=(width,),
+                         batch=batch, progress=bar)
+    finally:
+        bar.close()
+    m, v = man["metrics"], man["metrics"]["validation"]
+    click.echo(f"{m['mismatches']} mismatches {m['mismatches_by_workload']}, acceptable "
+               f"{m['acceptable']:.3f} {m['acceptable_by_workload']}")
+    click.echo(f"chosen {m['chosen']}; validation ({v['n']} rows, "
+               f"{m['validation_groups']} prompts): AUC {v['auc']} (log-prob gap alone "
+               f"{v['auc_logp_gap']}), accuracy {v['accuracy']}")
+    for thr, row in v["precision_at"].items():
+        click.echo(f"  tau {thr}: precision {row['precision']}, accepts "
+                   f"{row['accept_rate']} of mismatches (recall {row['recall']})")
+    click.echo(f"wrote {man['path']} and its manifest ({time.monotonic() - t0:.0f} s)")
+
+
+@wisv.command("eval", context_settings={"show_default": True})
+@click.option("--quick", is_flag=True, help="<= 15 minutes on 2 cores: 40 HumanEval "
+              "problems (max 160 new tokens each) on cellular-edge, 4 MT-Bench "
+              "questions x 48 tokens.")
+@click.option("--target", default="qwen2.5-coder-1.5b", help="Target model (preset).")
+@click.option("--draft", default=None, help="Draft model [default: the bench's default "
+              "draft for the target].")
+@click.option("--profiles", default=None, help="Comma list of network profiles "
+              "[default: weak,cellular-edge; --quick: cellular-edge].")
+@click.option("--humaneval", "n_code", default=None, type=click.IntRange(0, 100),
+              help="HumanEval problems, the first of the seed-0 order [default: 100; "
+              "--quick: 40].")
+@click.option("--mtbench", "n_chat", default=None, type=click.IntRange(0, 48),
+              help="MT-Bench questions [default: 16; --quick: 4].")
+@click.option("--max-new-tokens", default=None, type=click.IntRange(1),
+              help="HumanEval token budget per problem [default: 384; --quick: 160].")
+@click.option("--chat-tokens", default=None, type=click.IntRange(1),
+              help="MT-Bench tokens per question [default: 128; --quick: 48].")
+@click.option("--depth", default=6, type=click.IntRange(1, 8), help="Draft depth.")
+@click.option("--head", default="auto", metavar="auto|PATH",
+              help="Decision head the server loads (as `serve --wisv-head`).")
+@click.option("--seed", default=0, type=int, help="Prompt order and request seeds.")
+@click.option("--out", "-o", default="wisv-eval", type=click.Path(file_okay=False),
+              help="Folder for wisv_eval.json, wisv_eval.png and requests.jsonl.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_tokens,
+          depth, head, seed, out, no_progress):
+    """Exact vs semantic acceptance on the same prompts and seeds, HumanEval executed.
+
+    \b
+    Prints a summary, then ONE JSON object last (pass1_exact, pass1_semantic,
+    accepted_length_*, rounds_*, problems, ...).
+    Example:
+      specrelay wisv eval --quick --out docs/figures/wisv
+    """
+    from bench.wisv_eval import EvalConfig, print_report, run_eval
+
+    cfg = EvalConfig.preset(quick, target=target, draft=draft, profiles=profiles,
+                            n_code=n_code, n_chat=n_chat, max_new_tokens=max_new_tokens,
+                            chat_tokens=chat_tokens, depth=depth, head=head, seed=seed)
+    report = run_eval(cfg, out, progress=not no_progress,
+                      log=lambda s: click.echo(s, err=True))
+    print_report(report, click.echo)
+    click.echo(json.dumps(report["summary"]))
+
