@@ -65,8 +65,13 @@ def warmup(sh: Shared, mode_classes, reqs: dict) -> None:
     req = dataclasses.replace(first[0], prompt_ids=first[0].prompt_ids[-32:])
     prof = Profile("warmup", None, None)
     for mcls in mode_classes:
+        samp = cfg.sampling[0]
+        if getattr(mcls, "greedy_only", False):          # wisv: its greedy cells only
+            if "greedy" not in sh.samplings:
+                continue
+            samp = "greedy"
         ctx = EdgeContext(sh.cloud.url, sh.tok, sh.base_drafter if mcls.needs_drafter else None,
-                          sh.signer, prof, sh.samplings[cfg.sampling[0]],
+                          sh.signer, prof, sh.samplings[samp],
                           min(4, cfg.max_new_tokens), cfg.depth, None,
                           dict(cfg.mode_options.get(mcls.name, {})))
         asyncio.run(_run_cell(mcls, ctx, [req], None))

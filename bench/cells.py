@@ -122,8 +122,9 @@ def plan_cells(cfg: BenchConfig, mode_classes, profiles, pairs, prompt_sets, tok
     per mode. Sequential modes run the workload's prompts (``reqs[(w, s)]``) one after
     another; concurrent modes run once per concurrency value (:func:`_concurrent_cells`),
     restricted to ``cfg.concurrent_profiles`` / ``concurrent_workloads``;
-    ``cfg.mode_profiles`` / ``mode_workloads`` restrict single modes. Raises ValueError
-    for a concurrency value below 1."""
+    ``cfg.mode_profiles`` / ``mode_workloads`` restrict single modes; a ``greedy_only``
+    mode (``wisv``) skips the sampled variants. Raises ValueError for a concurrency value
+    below 1."""
     conc = concurrency_values(cfg)
     cprof = set(cfg.concurrent_profiles) if cfg.concurrent_profiles else None
     cwork = set(cfg.concurrent_workloads) if cfg.concurrent_workloads else None
@@ -135,6 +136,9 @@ def plan_cells(cfg: BenchConfig, mode_classes, profiles, pairs, prompt_sets, tok
             for mcls in mode_classes:
                 if (mcls.name in mprof and prof.name not in mprof[mcls.name]) or \
                         (mcls.name in mwork and w not in mwork[mcls.name]):
+                    continue
+                if getattr(mcls, "greedy_only", False) and \
+                        SAMPLING_PRESETS.get(s, {}).get("temperature", 1.0) != 0:
                     continue
                 if not is_concurrent(mcls):
                     cells.append(Cell(prof.name, w, s, mcls, None, reqs[(w, s)],

@@ -87,6 +87,9 @@ def _cpus(value: str | None) -> list[int] | None:
               help="The cloud's early exit for the FSD modes (fsd, fsd+ipdg), as "
               "`specrelay serve --early-exit`: fit = the preset's calibrated layer, its head "
               "fitted once if not cached (about a minute).")
+@click.option("--wisv-head", default="auto", show_default=True, metavar="auto|PATH",
+              help="The cloud's WISV decision head for the `wisv` mode (semantic "
+              "acceptance, greedy cells only), as `specrelay serve --wisv-head`.")
 @click.option("--draft", default=None,
               help="Draft model (default: qwen2.5-coder-0.5b; for a smollm2 target its "
               "trained draft smollm2-135m-draft).")
@@ -306,6 +309,8 @@ def _config(o: dict):
                           server_kw={"max_wait_s": o["max_wait_ms"] / 1000.0}, **run, **kw)
         if any(M.get_mode(m).early_exit for m in cfg.modes):
             cfg.server_kw["early_exit"] = o["early_exit"]
+        if any(getattr(M.get_mode(m), "wisv", False) for m in cfg.modes):
+            cfg.server_kw["wisv_head"] = o["wisv_head"]
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     return cfg

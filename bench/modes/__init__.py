@@ -5,6 +5,8 @@ One mode family per file:
 * :mod:`~bench.modes.baselines` — ``cloud-ar`` (the target alone, streamed) and
   ``standard-sd`` (full draft distribution on the uplink);
 * :mod:`~bench.modes.speculative` — ``specrelay``, ``sr-ahead`` (the compact protocol);
+* :mod:`~bench.modes.wisv` — ``wisv`` (the compact protocol with WISV's lossy semantic
+  acceptance, greedy only);
 * :mod:`~bench.modes.adaptive` — depth controllers, proactive drafting, fixed depths;
 * :mod:`~bench.modes.concurrent` — C requests in flight: ``pipeline`` and its baselines;
 * :mod:`~bench.modes.local` — ``local-offload-ar`` and ``cats``: the target on the
@@ -33,7 +35,7 @@ from bench.modes.base import BenchMode, BenchRequest, EdgeContext, RequestRecord
 from bench.modes.registry import MODES, get_mode, mode_names, register_mode
 
 # the built-in families register on import, in this order (``--list-modes`` order)
-from bench.modes import baselines, speculative, adaptive, concurrent, local  # noqa: E402,F401,I001
+from bench.modes import baselines, speculative, wisv, adaptive, concurrent, local  # noqa: E402,F401,I001
 
 __all__ = ["EdgeContext", "BenchRequest", "RequestRecord", "RunSetup", "BenchMode",
            "MODES", "register_mode", "get_mode", "mode_names"]

@@ -19,7 +19,9 @@ class EdgeClientMode(BenchMode):
     controller given by name becomes ONE object serving every request of the run
     (requests run one after another), so learning controllers keep what they learned.
     ``fixed_depth`` overrides ``--depth``; ``ngram``: the n-gram drafter fronts the
-    model drafter."""
+    model drafter. ``ctx.options["generate"]`` maps a workload label to extra
+    ``generate`` arguments of its requests (``stop`` strings, a smaller
+    ``max_new_tokens``)."""
 
     client_mode: ClassVar[str] = "asym"
     client_kw: ClassVar[dict] = {}
@@ -53,10 +55,14 @@ class EdgeClientMode(BenchMode):
         self.transport.calls.clear()
         meter = LinkMeter(c)
         trace: list[dict] = []
+        extra = dict((c.options.get("generate") or {}).get(req.workload) or {})
+        extra.setdefault("max_new_tokens", c.max_new_tokens)
         res = await self.client.generate(prompt_ids=list(req.prompt_ids),
                                          sampling=c.sampling, on_round=trace.append,
-                                         max_new_tokens=c.max_new_tokens, seed=req.seed)
+                                         seed=req.seed, **extra)
         m = dict(res.metrics, round_trace=trace)
+        m.setdefault("semantic_accepted_tokens",
+                     int(getattr(res, "semantic_accepted_tokens", 0) or 0))
         calls = self.transport.calls
         up, down = meter.delta(m["uplink_bytes"], m["downlink_bytes"])
         m.update(link_uplink_bytes=up, link_downlink_bytes=down, http_exchanges=len(calls),

@@ -4,7 +4,8 @@
 * generic rows (:func:`ratio_specs`, :func:`compute_ratios`): every non-baseline mode
   against every baseline of the run (``throughput_tok_s``; against ``standard-sd`` also
   ``uplink_bytes_per_token``), and each peer engine's *speculative gain* (its speculative
-  mode / its own target-only mode);
+  mode / its own target-only mode); ``wisv`` (semantic acceptance) against
+  ``specrelay`` (exact) on ``mean_accepted_length`` and ``tpot_s``;
 * adaptive drafting (RAPID; UCB-SpecStop), :func:`adaptive_ratios`:
 
   - ``throughput_tok_s`` of ``caac`` (and ``rapid``) vs ``best-fixed``: per profile
@@ -121,7 +122,9 @@ def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
     :mod:`bench.modes.peers`) are not paired with our modes: each peer's speculative
     mode gets one row against its own engine's target-only mode (``gain_baseline``), its
     *speculative gain* (e.g. ``llamacpp-spec`` / ``llamacpp-ar``, beside ``specrelay`` /
-    ``cloud-ar``). Adaptive modes get their rows from :func:`adaptive_ratios` only.
+    ``cloud-ar``). ``wisv`` also gets ``mean_accepted_length`` and ``tpot_s`` rows
+    against ``specrelay``. Adaptive modes get their rows from :func:`adaptive_ratios`
+    only.
     Raises ValueError for an unknown mode name."""
     from bench.modes import get_mode
 
@@ -141,6 +144,9 @@ def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
         gain_base = getattr(get_mode(m), "gain_baseline", None)
         if gain_base in modes:
             specs.append(("throughput_tok_s", m, gain_base, True))
+    if "wisv" in modes and "specrelay" in modes:     # semantic vs exact acceptance
+        specs += [("mean_accepted_length", "wisv", "specrelay", True),
+                  ("tpot_s", "wisv", "specrelay", False)]
     return specs
 
 
