@@ -1,8 +1,9 @@
 """``specrelay wisv``: WISV's opt-in semantic acceptance. ``train`` labels greedy
 draft/target mismatches on held-out text and fits the verifier's decision head;
-``eval`` runs exact and semantic acceptance side by side through the benchmark's signed
-server path and executes the HumanEval completions (torch and the bench import only
-when a command runs)."""
+``check-labels`` compares that label with executed tests; ``eval`` runs exact and
+semantic acceptance side by side through the benchmark's signed server path and
+executes the HumanEval completions (torch and the bench import only when a command
+runs)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,41 @@ def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_token
         click.echo(f"  tau {thr}: precision {row['precision']}, accepts "
                    f"{row['accept_rate']} of mismatches (recall {row['recall']})")
     click.echo(f"wrote {man['path']} and its manifest ({time.monotonic() - t0:.0f} s)")
+
+
+@wisv.command("check-labels", context_settings={"show_default": True})
+@click.option("--target", default="qwen2.5-coder-1.5b", help="Target model (preset or path).")
+@click.option("--draft", default="qwen2.5-coder-0.5b", help="Draft model (torch; preset or path).")
+@click.option("--problems", default=16, type=click.IntRange(1, 64),
+              help="Held-out HumanEval problems to take mismatches from (training ones).")
+@click.option("--max-mismatches", default=48, type=click.IntRange(1),
+              help="Mismatches to complete and execute (both branches each).")
+@click.option("-n", "--rollout", "n", default=12, type=click.IntRange(1, 256),
+              help="The label's rollout tokens.")
+@click.option("--delta", default=1.5, type=click.FloatRange(0.0), help="The label's margin (nats).")
+@click.option("--max-tokens", default=160, type=click.IntRange(1),
+              help="Tokens to complete the function from each branch.")
+@click.option("--threads", default=1, type=click.IntRange(1), help="torch threads.")
+@click.option("--out", "-o", default="wisv-label-check.json", type=click.Path(dir_okay=False),
+              help="JSON report.")
+def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, threads,
+                 out):
+    """Compare the likelihood label with executed tests on held-out code mismatches.
+
+    
+    At each mismatch the target completes the function from the draft token and from
+    its own; both are executed with the problem's tests.
+    """
+    from bench.wisv_labels import check_labels as run, write_check
+
+    rep = run(target, draft, problems, max_mismatches, n, delta, max_tokens,
+              threads=threads, log=lambda s: click.echo(s, err=True))
+    for lbl in ("acceptable", "unacceptable"):
+        k = rep[lbl]
+        click.echo(f"{lbl:12s}: {k['mismatches']} mismatches, target branch passes "
+                   f"{k['t_passes']}, draft branch passes too in "
+                   f"{k['d_passes_when_t_passes']}, same outcome {k['same_outcome']}")
+    click.echo(f"wrote {write_check(rep, out)} ({rep['wall_s']:.0f} s)")
 
 
 @wisv.command("eval", context_settings={"show_default": True})

@@ -206,7 +206,7 @@ def test_train_is_never_imported_by_the_sdk_or_the_server():
     from tests.test_architecture import import_graph
 
     users = sorted(m for m, deps in import_graph().items() if "cloud_api.wisv.train" in deps)
-    assert users == ["specrelay_cli.wisv"], users
+    assert users == ["bench.wisv_labels", "specrelay_cli.wisv"], users
 
 
 # --------------------------------------------------------------------------- CLI
@@ -218,7 +218,8 @@ def _cli(args):
 
 
 def test_cli_help():
-    for args in (["wisv", "--help"], ["wisv", "train", "--help"], ["wisv", "eval", "--help"]):
+    for args in (["wisv", "--help"], ["wisv", "train", "--help"], ["wisv", "eval", "--help"],
+                 ["wisv", "check-labels", "--help"]):
         r = _cli(args)
         assert r.exit_code == 0, r.output
     assert "--delta" in _cli(["wisv", "train", "--help"]).output

