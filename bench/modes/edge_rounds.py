@@ -19,7 +19,9 @@ class EdgeClientMode(BenchMode):
     controller given by name becomes ONE object serving every request of the run
     (requests run one after another), so learning controllers keep what they learned.
     ``fixed_depth`` overrides ``--depth``; ``ngram``: the n-gram drafter fronts the
-    model drafter. ``ctx.options["generate"]`` maps a workload label to extra
+    model drafter. ``link_from_profile``: the client reports the emulated profile's RTT
+    and uplink rate as its channel state (``EdgeClient(link=...)``, WISV's semantic
+    sessions). ``ctx.options["generate"]`` maps a workload label to extra
     ``generate`` arguments of its requests (``stop`` strings, a smaller
     ``max_new_tokens``)."""
 
@@ -27,6 +29,7 @@ class EdgeClientMode(BenchMode):
     client_kw: ClassVar[dict] = {}
     fixed_depth: ClassVar[int | None] = None
     ngram: ClassVar[bool] = False
+    link_from_profile: ClassVar[bool] = False
 
     async def open(self) -> None:
         from edge_sdk.client import EdgeClient
@@ -34,6 +37,8 @@ class EdgeClientMode(BenchMode):
 
         c = self.ctx
         kw = {**self.client_kw, **c.options.get("client", {})}
+        if self.link_from_profile:        # the channel state a semantic session reports
+            kw.setdefault("link", c.profile)
         if isinstance(kw.get("controller"), str) and kw["controller"] != "fixed":
             kw["controller"] = make_controller(kw["controller"],
                                                **kw.pop("controller_kw", {}) or {})

@@ -4,7 +4,9 @@ choice. Lossy and opt-in: the output is not exactly the target's.
 
 * ``wisv`` — ``specrelay`` with ``acceptance="semantic"`` (greedy only: the planner
   skips its sampled cells); the server must load a decision head (``specrelay bench``
-  passes ``--wisv-head``, default ``auto``). Run it beside ``specrelay`` (exact) in the
+  passes ``--wisv-head``, default ``auto``). The edge reports the emulated profile's
+  RTT and uplink rate as its channel state, so the cloud's threshold is the one the
+  policy documents for that link (weak 0.73, cellular-edge 0.66). Run it beside ``specrelay`` (exact) in the
   same run to compare accepted length, rounds and latency.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ class WisvMode(EdgeClientMode):
     client_kw = {"acceptance": "semantic"}
     greedy_only = True
     wisv = True
+    link_from_profile = True
 
     @classmethod
     def run_metrics(cls, per_request: Sequence[dict]) -> dict:
