@@ -118,6 +118,7 @@ def test_dataset_batches_across_sequences_and_caches(pair, tmp_path, monkeypatch
     monkeypatch.setattr(T, "_mismatches", boom)
     again = T.build_dataset(t, d, seqs, n=3, batch=5)
     assert torch.equal(again.gap, ds.gap) and again.groups == ds.groups
+    assert ds.cached_sequences == 0 and again.cached_sequences == 4
     with pytest.raises(AssertionError):             # another n is another cache
         T.build_dataset(t, d, seqs, n=4, batch=5)
 
@@ -140,14 +141,15 @@ def _synthetic(n=240, H=8, seed=0):
 
 def test_fit_reports_validation_metrics_and_round_trips(tmp_path):
     ds = _synthetic()
-    head, m = T.fit_head(ds, delta=1.5, widths=(0,), l2s=(1e-2, 1.0), folds=3)
+    head, m = T.fit_head(ds, delta=1.5, widths=(0,), l2s=(1e-2, 1.0), hidden_scales=(1.0, 1e4),
+                         folds=3)
     v = m["validation"]
     assert m["mismatches"] == 240 and 0 < m["acceptable"] < 1
     assert m["train_rows"] + m["validation_rows"] == 240
     assert v["auc"] > 0.9 and v["accuracy"] > 0.8
     assert set(v["precision_at"]) == {"0.9", "0.73", "0.66"}
     assert set(v["by_workload"]) == {"humaneval", "mtbench"}
-    assert m["chosen"]["l2"] in (1e-2, 1.0) and len(m["grid"]) == 2
+    assert m["chosen"]["l2"] in (1e-2, 1.0) and len(m["grid"]) == 4
     # the held-out prompts are whole groups, not rows of a training prompt
     tr, va = T._group_split(ds.groups, 0.2, 0)
     assert not {ds.groups[i] for i in tr} & {ds.groups[i] for i in va}

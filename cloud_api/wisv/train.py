@@ -124,13 +124,15 @@ class SeqData:
 class Dataset:
     """Every mismatch of a run: ``features`` float32 [N, F], ``gap`` float32 [N]
     (S(d) - S(t), nats), ``groups`` / ``workloads`` (str per row), ``positions`` per
-    workload (candidate rows examined)."""
+    workload (candidate rows examined), ``cached_sequences`` (read from the cache, not
+    labelled in this run)."""
 
     features: torch.Tensor
     gap: torch.Tensor
     groups: list[str]
     workloads: list[str]
     positions: dict = field(default_factory=dict)
+    cached_sequences: int = 0
 
     def labels(self, delta: float) -> torch.Tensor:
         """float32 [N]: 1.0 where acceptable (gap >= -delta)."""
@@ -442,10 +444,12 @@ def build_dataset(target, draft, seqs: Sequence[TrainSeq], n: int = DEFAULT_N,
                 if left[k] == 0:
                     finish(k, d)
 
+    n_cached = 0
     for k, seq in enumerate(seqs):
         path = root / f"{_seq_key(seq, n)}.pt"
         if cache and path.is_file():
             done[k] = SeqData.from_dict(torch.load(path, weights_only=True))
+            n_cached += 1
             if progress:
                 progress(len(done), len(seqs), f"{seq.id}: cached")
             continue
@@ -468,7 +472,8 @@ def build_dataset(target, draft, seqs: Sequence[TrainSeq], n: int = DEFAULT_N,
     return Dataset(torch.cat(feats), torch.cat([d.score_draft - d.score_target
                                                 for _, d in parts]),
                    [s.group for s, d in parts for _ in range(d.features.shape[0])],
-                   [s.workload for s, d in parts for _ in range(d.features.shape[0])], pos)
+                   [s.workload for s, d in parts for _ in range(d.features.shape[0])], pos,
+                   n_cached)
 
 
 # ---------------------------------------------------------------- the fit
@@ -507,15 +512,19 @@ def precision_at(prob: torch.Tensor, y: torch.Tensor, thr: float) -> dict:
 
 
 def _fit(X: torch.Tensor, y: torch.Tensor, width: int, l2: float, seed: int = 0,
-         epochs: int = 300) -> DecisionHead:
+         epochs: int = 300, hidden_scale: float = 1.0) -> DecisionHead:
     """One head on standardised ``X`` [N, F] (statistics from X itself): mean BCE +
     ``l2/2 * |W|^2`` (weights, not biases); L-BFGS for the logistic head, Adam for the
-    hidden layer."""
+    hidden layer. ``hidden_scale`` > 1 divides the standardised hidden-state features
+    by that factor (stored in ``std``), i.e. an L2 penalty ``hidden_scale**2`` times
+    stronger on their weights than on the scalar features' (1e4: the scalars alone, in
+    effect)."""
     torch.manual_seed(seed)
     H = X.shape[1] - len(SCALAR_FEATURES)
     head = DecisionHead(H, width)
     head.mean.copy_(X.mean(0))
     head.std.copy_(X.std(0).clamp_min(1e-4))
+    head.std[:H] *= float(hidden_scale)
     pos = float(y.mean())
     last = head.net if width == 0 else head.net[-1]
     with torch.no_grad():
@@ -560,14 +569,15 @@ def _group_split(groups: Sequence[str], frac: float, seed: int) -> tuple[list, l
 
 
 def fit_head(ds: Dataset, delta: float = DEFAULT_DELTA,
-             widths: Sequence[int] = (0,), l2s: Sequence[float] = (1e-3, 1e-2, 1e-1, 1.0),
+             widths: Sequence[int] = (0,), l2s: Sequence[float] = (1e-2, 1e-1, 1.0, 10.0),
+             hidden_scales: Sequence[float] = (1.0, 10.0, 1e4),
              val_frac: float = 0.2, folds: int = 4, seed: int = 0,
              thresholds: Sequence[float] = (0.9, 0.73, 0.66)) -> tuple[DecisionHead, dict]:
     """Fit the decision head on ``ds`` labelled with ``delta``.
 
-    ``val_frac`` of the source sequences are held out; on the rest, (width, L2) is
-    chosen by ``folds``-fold grouped cross-validation AUC, then refitted on the whole
-    training part. Returns ``(head, metrics)``: metrics hold the sizes and label
+    ``val_frac`` of the source sequences are held out; on the rest, (width, L2, hidden
+    scale: see :func:`_fit`) is chosen by ``folds``-fold grouped cross-validation AUC,
+    then refitted on the whole training part. Returns ``(head, metrics)``: metrics hold the sizes and label
     balance, the chosen setting and its CV AUC, and on the held-out part ``auc``,
     ``accuracy`` (at 0.5), ``precision_at`` each threshold, the AUC of the log-prob gap
     alone (``auc_logp_gap``) and the same per workload. Raises ValueError for fewer
@@ -585,20 +595,22 @@ def fit_head(ds: Dataset, delta: float = DEFAULT_DELTA,
     fold_of = {g: k % folds for k, g in enumerate(uniq)}
     grid = []
     for w in widths:
-        for l2 in l2s:
-            aucs = []
-            for f in range(folds):
-                a = [i for i in tr if fold_of[ds.groups[i]] != f]
-                b = [i for i in tr if fold_of[ds.groups[i]] == f]
-                if not a or not b or y[a].min() == y[a].max():
-                    continue
-                h = _fit(X[a], y[a], w, l2, seed)
-                aucs.append(auc(h.prob(X[b]), y[b]))
-            aucs = [v for v in aucs if v == v]
-            grid.append({"width": w, "l2": l2,
-                         "cv_auc": round(sum(aucs) / len(aucs), 4) if aucs else None})
+        for hs in hidden_scales:
+            for l2 in l2s:
+                aucs = []
+                for f in range(folds):
+                    a = [i for i in tr if fold_of[ds.groups[i]] != f]
+                    b = [i for i in tr if fold_of[ds.groups[i]] == f]
+                    if not a or not b or y[a].min() == y[a].max():
+                        continue
+                    h = _fit(X[a], y[a], w, l2, seed, hidden_scale=hs)
+                    aucs.append(auc(h.prob(X[b]), y[b]))
+                aucs = [v for v in aucs if v == v]
+                grid.append({"width": w, "l2": l2, "hidden_scale": hs,
+                             "cv_auc": round(sum(aucs) / len(aucs), 4) if aucs else None})
     best = max(grid, key=lambda g: -1 if g["cv_auc"] is None else g["cv_auc"])
-    head = _fit(X[tr], y[tr], best["width"], best["l2"], seed)
+    head = _fit(X[tr], y[tr], best["width"], best["l2"], seed,
+                hidden_scale=best["hidden_scale"])
     p = head.prob(X[va])
     yv = y[va]
     gap_i = n_features(head.hidden_size) - len(SCALAR_FEATURES) + \
@@ -624,7 +636,7 @@ def fit_head(ds: Dataset, delta: float = DEFAULT_DELTA,
                "positions_by_workload": dict(ds.positions),
                "train_rows": len(tr), "validation_rows": len(va),
                "validation_groups": len(set(ds.groups[i] for i in va)),
-               "grid": grid, "chosen": {"width": best["width"], "l2": best["l2"]},
+               "grid": grid, "chosen": {k: best[k] for k in ("width", "l2", "hidden_scale")},
                "validation": val,
                "train_auc": round(auc(head.prob(X[tr]), y[tr]), 4)}
     return head, metrics
@@ -698,7 +710,8 @@ def train_head(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0
                           "target's greedy completion (code_greedy_tokens); MT-Bench "
                           "first turn (chat template) + the target's greedy answer "
                           "(answer_tokens)",
-                  "seed": seed, "validation": "20 % of the source sequences held out"},
+                  "seed": seed, "validation": "20 % of the source prompts held out",
+                  "sequences": len(seqs), "sequences_labelled_earlier": ds.cached_sequences},
         "metrics": metrics,
         "wall_s": {"load": round(t_load, 1), "label": round(t_label, 1),
                    "fit": round(t_fit, 1), "total": round(time.monotonic() - t0, 1)},
