@@ -143,6 +143,8 @@ class CloudService:
             self.metrics.evictions.set(self.sessions.evictions)
         return {**s.state(), "prompt_ids": ids, "vocab_size": V,
                 "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
+                "max_tree_rows": (self.verifier.max_tree_rows
+                                  if getattr(self.verifier, "supports_trees", False) else 0),
                 "prefill_s": prefill_s}
 
     async def verify(self, sid: str, body: bytes, owner: str | None, charge=None,

@@ -19,6 +19,7 @@ from cloud_api.sessions import ApiError, Session
 from edge_sdk.kvmodel import batched_forward
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
+from edge_sdk.protocol import tree as TR
 from edge_sdk.protocol.frames import EarlyVerdict
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
@@ -47,10 +48,16 @@ class Verifier:
     (a forward hook on that decoder layer: same pass, same positions and caches; the
     layers above still run in full); ``early_frames`` / ``early_hits`` count them and
     how many matched the final verdict.
+
+    A greedy block may carry siblings (``VerifyRequest.alts``): its rows form a sibling
+    tree (:mod:`edge_sdk.protocol.tree`) run in the same pass under a tree mask, at most
+    ``max_tree_rows`` rows; ``sibling_hits`` counts the accepted siblings.
     """
 
+    supports_trees = True
+
     def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS,
-                 early_head: ExitHead | None = None):
+                 early_head: ExitHead | None = None, max_tree_rows: int = 40):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))
@@ -59,6 +66,8 @@ class Verifier:
         self.target_seconds = 0.0
         self.near_tie_gap = S.near_tie_gap(next(model.parameters()).dtype)
         self.near_ties = 0          # committed greedy tokens chosen at a near-tie
+        self.max_tree_rows = max_tree_rows
+        self.sibling_hits = 0
         self.early_head = early_head
         self.early_frames = self.early_hits = 0
         self.on_early_outcome = None    # (hit: bool) -> None, e.g. a Prometheus counter
@@ -94,15 +103,21 @@ class Verifier:
         wants = [(b, *row, sinks[row[0]]) for b, row in enumerate(ready)
                  if sinks is not None and sinks[row[0]] is not None]
         self._early = (time.perf_counter(), wants) if wants and self.early_head else None
+        trees = [TR.layout(len(blk), req.alts) if req.alts else None
+                 for _, _, req, _, blk in ready]
         try:
-            logits = batched_forward([s.kv for _, s, *_ in ready],
-                                     [[ctx[-1]] + blk for *_, ctx, blk in ready])
+            logits = batched_forward(
+                [s.kv for _, s, *_ in ready],
+                [[ctx[-1]] + blk + ([t for _, t, _ in tr.sib_rows] if tr else [])
+                 for (*_, ctx, blk), tr in zip(ready, trees)],
+                trees if any(trees) else None)
         finally:
             self._early = None
         share = (time.perf_counter() - t0) / len(ready)   # cost per block, seconds
         self.passes += 1
-        for (i, s, req, context, block), lg in zip(ready, logits):
-            results[i] = self._decide(s, req, context, block, lg, share)
+        for (i, s, req, context, block), lg, tr in zip(ready, logits, trees):
+            results[i] = (self._decide(s, req, context, block, lg, share) if tr is None
+                          else self._decide_tree(s, req, context, block, lg, tr, share))
             self._count_early(req, results[i])
         return results
 
@@ -190,6 +205,14 @@ class Verifier:
                 raise ApiError(422, "bad_field", "pending_commit has zero target probability",
                                "pending_commit")
         g = len(req.tokens)
+        if req.alts is not None:
+            if not self.supports_trees or not s.cfg.greedy or s.mode != "asym":
+                raise ApiError(422, "bad_field", "siblings (a token tree) need a greedy "
+                               "config, the compact protocol and a torch verifier", "alts")
+            rows = 1 + g + sum(len(a) for a in req.alts)
+            if rows > self.max_tree_rows:
+                raise ApiError(422, "bad_field", f"tree of {rows} rows exceeds the limit "
+                               f"of {self.max_tree_rows}", "alts")
         if s.base_len + g + 1 > self.max_context:
             raise ApiError(422, "context_full", "block would exceed the model context", "tokens")
         if s.cfg.greedy:
@@ -214,6 +237,37 @@ class Verifier:
         self._check_cache(s)
         self.target_seconds += target_s
         return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s, ties)
+
+    def _decide_tree(self, s: Session, req: VerifyRequest, context: list[int],
+                     block: list[int], logits: torch.Tensor, tree: TR.TreeLayout,
+                     target_s: float) -> VerifyResponse:
+        """Greedy verdict of a sibling tree (logits [T, V] of the tree's rows) and its
+        commit: confirmed += accepted drafts (+ the accepted sibling) + next token; the
+        cache is cut to the accepted branch (confirmed[:-1])."""
+        g = len(block)
+        x = S.process_block(logits[: g + 1], s.cfg, context, block)
+        a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
+        sib, ties = None, self.tie_offsets(x[: a + 1])
+        if a < g:
+            rows = [(tok, r) for i, tok, r in tree.sib_rows if i == a and tok == nxt]
+            if rows:
+                sib, r = rows[0]
+                xs = S.process_next(logits[r], s.cfg, context + block[:a] + [sib])
+                nxt = int(S.greedy_token(xs))
+                ties = ties + tuple(a + 1 for _ in self.tie_offsets(xs[None]))
+        C = len(context)
+        if sib is None:
+            self._crop(s, C + a)
+            s.tokens = context + block[:a] + [nxt]
+        else:
+            s.kv.keep(C + a, [C - 1 + r])
+            s.tokens = context + block[:a] + [sib, nxt]
+            self.sibling_hits += 1
+        s.awaiting, s.pending_p = False, None
+        s.next_seq += 1
+        self._check_cache(s)
+        self.target_seconds += target_s
+        return VerifyResponse(req.block_seq, a, nxt, None, s.base_len, target_s, ties, sib)
 
     def _verdict(self, s: Session, req: VerifyRequest, context: list[int],
                  block: list[int], logits: torch.Tensor) -> tuple:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from edge_sdk import correction as C
 from edge_sdk.control import DepthController, FixedDepth, make_controller
+from edge_sdk.control.siblings import SiblingPolicy
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
@@ -85,6 +86,12 @@ class EdgeClient:
         local_target: an ``edge_sdk.local_target.LocalSession`` (``build_local``) for
             ``on_cloud_loss="local"`` (its ``step(ids, max_tokens, cfg, seed)`` is called
             once per round while the cloud is lost).
+        siblings: greedy sibling trees (SpecInfer / Sequoia token-tree verification):
+            a :class:`edge_sdk.control.siblings.SiblingPolicy` or an int width (the
+            draft's next-best tokens at each position it is least sure of, verified in
+            the same target pass; a hit commits the sibling and its bonus token). None
+            or 0: chains only. Only used for greedy requests on a server advertising
+            ``max_tree_rows``; the output stays the target's greedy output.
         ssl_context: TLS context trusting the server's CA for ``https://`` (when no
             ``transport`` is given). A certificate error is raised at once
             (``edge_sdk.transport.TLSVerifyError``), never waited out.
@@ -99,7 +106,7 @@ class EdgeClient:
                  proactive_roots: int = 1, send_ahead: bool = False,
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
-                 ssl_context=None, local_target=None):
+                 ssl_context=None, local_target=None, siblings=None):
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
         if correction not in C.MODES:
@@ -116,6 +123,11 @@ class EdgeClient:
         if on_cloud_loss == "local" and local_target is None:
             raise ValueError('on_cloud_loss="local" needs local_target=')
         self.local_target = local_target
+        if isinstance(siblings, int) and not isinstance(siblings, bool):
+            siblings = SiblingPolicy(width=siblings) if siblings else None
+        if siblings is not None and not isinstance(siblings, SiblingPolicy):
+            raise ValueError("siblings must be a SiblingPolicy, an int width or None")
+        self.siblings = siblings
         self.on_cloud_loss, self.offline_timeout_s = on_cloud_loss, offline_timeout_s
         self.probe_interval_s = probe_interval_s
         if isinstance(controller, str):

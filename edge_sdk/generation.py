@@ -55,6 +55,7 @@ class Generation:
         self.pro = Lookahead(self._leased, client.proactive, client.proactive_roots)
         self.ctrl = client._request_controller(controller, depth)
         self.sess = RemoteSession(client.transport, self._params(), self.m)
+        self.sess.siblings = client.siblings
         self.loss = CloudLoss(client.on_cloud_loss, client.offline_timeout_s,
                               client.probe_interval_s, client.transport)
         self.round_idx = 0                      # verification rounds so far (the draws)

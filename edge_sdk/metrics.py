@@ -44,6 +44,8 @@ class RequestMetrics:
     bonus_tokens: int = 0
     target_step_tokens: int = 0     # tokens of depth-0 rounds (target decode, no draft)
     correction_tokens: int = 0
+    sibling_hits: int = 0           # rounds that committed a tree sibling (+ its bonus)
+    sibling_rows: int = 0           # tree siblings sent for verification
     rounds: int = 0                 # verification rounds (target passes for this request)
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -117,6 +119,7 @@ class RequestMetrics:
             "committed_tokens": self.committed_tokens, "bonus_tokens": self.bonus_tokens,
             "target_step_tokens": self.target_step_tokens,
             "correction_tokens": self.correction_tokens, "rounds": self.rounds,
+            "sibling_hits": self.sibling_hits, "sibling_rows": self.sibling_rows,
             "target_passes": self.rounds, "target_seconds": self.target_seconds,
             "draft_seconds": self.draft_seconds, "net_seconds": self.net_seconds,
             "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,

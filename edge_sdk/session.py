@@ -79,6 +79,8 @@ class RemoteSession:
         self.max_block = MAX_DRAFT_TOKENS     # until the cloud says its own
         self.seq, self.pending = 0, None
         self.path: str | None = None          # /v1/sessions/{sid} once created
+        self.siblings = None                  # a SiblingPolicy (greedy sibling trees)
+        self.max_tree_rows = 0                # the cloud's tree limit (0: no trees)
 
     async def call(self, method: str, path: str, body: bytes = b"", on_early=None) -> bytes:
         kw = {} if on_early is None else {"on_early": on_early}    # FSD transports only
@@ -104,6 +106,7 @@ class RemoteSession:
         info = wire.unpack(data)
         self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
         self.max_block = int(info.get("max_block", self.max_block))
+        self.max_tree_rows = int(info.get("max_tree_rows", 0))
         self.seq, self.pending = 0, None
         self.path = f"/v1/sessions/{self.sid}"
         return info
@@ -139,9 +142,14 @@ class RemoteSession:
                 torch.tensor(block.tokens), self.vocab).double()).numpy()
         elif block is not None and not self.params.cfg.greedy:
             q_tok = block.q_tok.numpy()
+        alts = None
+        if (self.siblings is not None and self.params.mode == "asym"
+                and self.params.cfg.greedy):
+            alts = self.siblings.choose(block, self.max_tree_rows)
+            self.m.sibling_rows += sum(len(a) for a in alts or ())
         return wire.VerifyRequest(self.sid, seq, len(tokens), self.params.cfg.config_id,
                                   pending, toks, q_tok, q_full,
-                                  int(tokens[-1]) if pending is None else None)
+                                  int(tokens[-1]) if pending is None else None, alts)
 
     async def verify(self, tokens: list[int], block: DraftBlock | None,
                      remaining: int, on_early=None) -> wire.VerifyResponse:

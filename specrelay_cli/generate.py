@@ -33,6 +33,7 @@ def _client_options(kw: dict) -> dict:
                             else kw["controller"]),
                 proactive=proactive, proactive_roots=kw.get("proactive_roots", 1),
                 send_ahead=kw.get("send_ahead", False) and proactive != "off",
+                siblings=kw.get("siblings", 0) or None,
                 offline_timeout_s=kw.get("offline_timeout", 300.0))
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import click
 
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS
+from edge_sdk.protocol.tree import MAX_SIBLINGS
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
 #: which this module does not import at start-up to keep ``--help`` fast).
@@ -82,8 +83,12 @@ SAMPLING_OPTIONS = [
                  help="Pipelined verification: send a proactive block before the "
                  "previous verdict (the cloud verifies it only if its assumed prefix "
                  "is confirmed). Needs --proactive other than off."),
-    click.option("--proactive-roots", type=click.IntRange(1, MAX_DRAFT_TOKENS),
+    click.option("--proactive-roots", type=click.IntRange(1, MAX_PROACTIVE_ROOTS),
                  default=1, show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
+    click.option("--siblings", type=click.IntRange(0, MAX_SIBLINGS), default=0,
+                 show_default=True, help="Greedy token trees: the draft's next-best "
+                 "tokens verified beside each draft position it is least sure of, in "
+                 "the same target pass (0: chains only)."),
     click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
                  "of the model draft."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),

@@ -38,6 +38,8 @@ class ScoringVerifier(Verifier):
             near-tie gap reported for greedy tokens, ``sampling.NEAR_TIE_GAP``).
     """
 
+    supports_trees = False     # scores come per position, not per tree row
+
     def __init__(self, scorer, vocab_size: int, max_context: int,
                  max_block: int = MAX_DRAFT_TOKENS, dtype: str = "bfloat16"):
         self.scorer, self.model = scorer, None
