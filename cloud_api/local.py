@@ -45,7 +45,10 @@ def local_server(target, tokenizer, *, name: str = "local-ephemeral", rpm: int =
     Args:
         target, tokenizer: the target model and its tokenizer.
         name, rpm, tpm: the ephemeral key's name and rate limits.
-        app_kw: further :func:`cloud_api.app.create_app` options (``max_batch``, ...).
+        app_kw: further :func:`cloud_api.app.create_app` options (``max_batch``,
+            ``early_head``, ``semantic``: a :class:`cloud_api.wisv.serving.
+            SemanticAcceptance` so that semantic sessions (WISV) run in this process;
+            :func:`cloud_api.wisv.serving.semantic_for` builds one from a head file).
     Yields:
         A :class:`LocalServer`; the server stops (in-flight requests finish) on exit.
     """
