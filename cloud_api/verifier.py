@@ -54,7 +54,7 @@ class Verifier:
     With ``semantic`` (WISV §III), sessions created with ``acceptance="semantic"`` may
     have mismatching drafts accepted by its decision head (:meth:`_semantic_walk`): a
     forward pre-hook on the LM head keeps the target's last hidden state [B, T, H] of
-    a pass that holds such a row (the hook is idle otherwise); ``semantic_accepted``
+    a pass that holds such a row (registered for that pass only); ``semantic_accepted``
     counts the tokens accepted that way. Exact sessions are decided by the exact rule
     alone, whatever ``semantic`` is.
     """
@@ -80,15 +80,12 @@ class Verifier:
                 self._exit_hook)
         self.semantic = semantic
         self.semantic_accepted = 0      # tokens accepted semantically (WISV)
-        self._capture = False           # a semantic row is in the running pass
-        self._hidden: torch.Tensor | None = None    # [B, T, H] of that pass
+        self._hidden: torch.Tensor | None = None    # [B, T, H] of a semantic pass
         if semantic is not None:
-            lm_head = model.get_output_embeddings()
             hid = int(model.config.hidden_size)
             if semantic.hidden_size != hid:
                 raise ValueError(f"WISV head: hidden size {semantic.hidden_size} != the "
                                  f"target's {hid}")
-            lm_head.register_forward_pre_hook(self._hidden_hook)
 
     def prefill(self, s: Session) -> float:
         """Fill the target cache with the prompt minus its last token. Returns seconds."""
@@ -116,14 +113,19 @@ class Verifier:
         wants = [(b, *row, sinks[row[0]]) for b, row in enumerate(ready)
                  if sinks is not None and sinks[row[0]] is not None]
         self._early = (time.perf_counter(), wants) if wants and self.early_head else None
-        self._capture = self.semantic is not None and any(
-            s.acceptance == "semantic" for _, s, *_ in ready)
+        hook = None
+        if self.semantic is not None and any(s.acceptance == "semantic"
+                                             for _, s, *_ in ready):
+            hook = self.model.get_output_embeddings().register_forward_pre_hook(
+                self._hidden_hook)
         self._hidden = None
         try:
             logits = batched_forward([s.kv for _, s, *_ in ready],
                                      [[ctx[-1]] + blk for *_, ctx, blk in ready])
         finally:
-            self._early, self._capture = None, False
+            self._early = None
+            if hook is not None:
+                hook.remove()
         hidden, self._hidden = self._hidden, None
         share = (time.perf_counter() - t0) / len(ready)   # cost per block, seconds
         self.passes += 1
@@ -135,10 +137,9 @@ class Verifier:
         return results
 
     def _hidden_hook(self, module, args) -> None:
-        """Forward pre-hook on the LM head: keep its input (the final norm's output,
-        [B, T, H]) while a semantic row is in the pass; nothing otherwise."""
-        if self._capture:
-            self._hidden = args[0].detach()
+        """Forward pre-hook on the LM head, registered for a pass that holds a semantic
+        row: keep its input (the final norm's output, [B, T, H])."""
+        self._hidden = args[0].detach()
 
     # ------------------------------------------------------------------ early exit
 
