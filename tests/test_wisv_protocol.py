@@ -47,7 +47,8 @@ from tests.conftest import RawHTTP, tiny_model
 
 PROMPT = [5, 9, 11]
 H, V = 32, 64
-STRONG = types.SimpleNamespace(rtt_s=0.020, uplink_bps=250e6)       # the strong and cellular-edge links
+# the strong and cellular-edge links
+STRONG = types.SimpleNamespace(rtt_s=0.020, uplink_bps=250e6)
 CELLULAR = types.SimpleNamespace(rtt_s=0.120, uplink_bps=5e6)
 
 
@@ -222,6 +223,20 @@ def test_head_settings(tmp_path):
         semantic_for(str(path), H)
     with pytest.raises(ValueError):
         SemanticAcceptance(head_with(bias=0.0), max_per_block=0)
+
+
+def test_in_process_servers_take_the_serve_options(target, tok, tmp_path):
+    path = tmp_path / "h.safetensors"
+    save_head(head_with(bias=50.0), path, {"model": "tiny", "label": "test"})
+    with local_server(target, tok, wisv_head=str(path), wisv_strict=0.7,
+                      wisv_max_per_block=4) as srv:
+        sa = srv.app[SERVICE].verifier.semantic
+        assert sa.max_per_block == 4 and sa.policy.strict == 0.7
+    with local_server(target, tok, wisv_head="auto", preset="no-such-preset") as srv:
+        assert srv.app[SERVICE].verifier.semantic is None
+    with pytest.raises(ValueError, match="WISV head"):
+        with local_server(target, tok, wisv_head=str(tmp_path / "x.safetensors")):
+            pass
 
 
 # ----------------------------------------------------------------------------- exact mode

@@ -19,8 +19,8 @@ from cloud_api.wisv.features import mismatch_features
 from cloud_api.wisv.head import DecisionHead, load_head
 from cloud_api.wisv.threshold import ChannelState, ThresholdPolicy
 
-__all__ = ["ASSETS", "DEFAULT_MAX_PER_BLOCK", "SemanticAcceptance", "shipped_head_path",
-           "semantic_for"]
+__all__ = ["ASSETS", "DEFAULT_MAX_PER_BLOCK", "OPTION_KEYS", "SemanticAcceptance",
+           "shipped_head_path", "semantic_for", "take_options"]
 
 log = logging.getLogger("cloud_api")
 
@@ -124,6 +124,27 @@ def semantic_for(setting: str | None, hidden_size: int, preset: str | None = Non
     except (RuntimeError, OSError, KeyError, TypeError) as e:   # weights of another shape,
         raise ValueError(f"WISV head {path}: {_line(e)}") from None   # unreadable file
     return SemanticAcceptance(head, policy, max_per_block, man)
+
+
+OPTION_KEYS = ("wisv_head", "wisv_strict", "wisv_relaxed", "wisv_max_per_block")
+"""The ``serve --wisv-*`` options as keyword arguments of the in-process servers
+(:func:`cloud_api.local.local_server`, the benchmark's cloud process)."""
+
+
+def take_options(kw: dict, model, preset: str | None = None) -> dict:
+    """``kw`` (app/service options) with the :data:`OPTION_KEYS` it holds replaced by
+    ``semantic`` (a :class:`SemanticAcceptance`, or None when the head is off / auto
+    finds none) for the loaded target ``model``. Unchanged when none is present.
+    Raises ValueError as :func:`semantic_for`."""
+    if not any(k in kw for k in OPTION_KEYS):
+        return kw
+    kw = dict(kw)
+    opts = {k: kw.pop(k, None) for k in OPTION_KEYS}
+    kw["semantic"] = semantic_for(
+        opts["wisv_head"], int(model.config.hidden_size), preset,
+        strict=opts["wisv_strict"], relaxed=opts["wisv_relaxed"],
+        max_per_block=opts["wisv_max_per_block"] or DEFAULT_MAX_PER_BLOCK)
+    return kw
 
 
 def _line(e: BaseException) -> str:
