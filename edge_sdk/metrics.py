@@ -59,6 +59,8 @@ class RequestMetrics:
     accepted_hist: list = field(default_factory=list)   # accepted drafts per round
     unverified_tokens: int = 0      # draft-only tokens while the cloud was unreachable
     local_tokens: int = 0           # exact local-target tokens while the cloud was lost
+    semantic_accepted_tokens: int = 0   # committed drafts accepted semantically (WISV,
+    # lossy; counted in accepted_tokens and committed_tokens too)
     # proactive drafting (IPDG/NPDG, RAPID) and depth control (RAPID)
     proactive_rounds: int = 0       # rounds that started a proactive branch
     proactive_hits: int = 0         # ... whose branch matched the verdict and was kept
@@ -126,6 +128,7 @@ class RequestMetrics:
             "wall_s": wall, "accepted_hist": list(self.accepted_hist),
             "unverified_tokens": self.unverified_tokens,
             "local_tokens": self.local_tokens,
+            "semantic_accepted_tokens": self.semantic_accepted_tokens,
             "proactive_rounds": self.proactive_rounds, "proactive_hits": self.proactive_hits,
             "proactive_attempts": self.proactive_rounds,     # bench report's raw-count name
             "proactive_drafted_tokens": self.proactive_drafted_tokens,

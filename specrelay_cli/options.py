@@ -95,6 +95,11 @@ SAMPLING_OPTIONS = [
     click.option("--mode", type=click.Choice(["asym", "standard"]), default="asym",
                  show_default=True, help="asym: compact protocol; standard: baseline "
                  "uploading the full draft distribution."),
+    click.option("--acceptance", type=click.Choice(["exact", "semantic"]), default="exact",
+                 show_default=True, help="exact: the target's output; semantic: WISV's "
+                 "lossy acceptance (the server's decision head may accept a draft token "
+                 "the target would not have chosen; greedy only, the output is flagged "
+                 "not exact)."),
     click.option("--target-only", is_flag=True,
                  help="Generate with the target alone (the identity reference)."),
     click.option("--chat/--no-chat", default=True, show_default=True,
@@ -113,8 +118,12 @@ def sampling_options(f):
 
 def sampling_config(kw: dict):
     """The :class:`edge_sdk.SamplingConfig` of the parsed options (raises ValueError on
-    values it refuses)."""
+    values it refuses, click.BadParameter for ``--acceptance semantic`` with sampling)."""
     from edge_sdk import SamplingConfig
 
-    return SamplingConfig(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
-                          repetition_penalty=kw["repetition_penalty"])
+    cfg = SamplingConfig(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+                         repetition_penalty=kw["repetition_penalty"])
+    if kw.get("acceptance", "exact") == "semantic" and not cfg.greedy:
+        raise click.BadParameter("semantic acceptance needs greedy decoding "
+                                 "(--temperature 0)", param_hint="--acceptance")
+    return cfg

@@ -52,7 +52,7 @@ def test_tree_verdict_cases():
 def test_wire_alts_roundtrip_and_validation():
     V = 64
     req = VerifyRequest(1, 0, 3, 0, None, np.array([4, 5, 6]), None, None, 2,
-                        [[], [7, 8], [9, 10]])
+                        alts=[[], [7, 8], [9, 10]])
     back = VerifyRequest.decode(req.encode(V), V, 8)
     assert back.alts == [[], [7, 8], [9, 10]] and back.expect_last == 2
     plain = VerifyRequest(1, 0, 3, 0, None, np.array([4, 5, 6]), None, None, 2)
@@ -73,7 +73,7 @@ def test_wire_alts_roundtrip_and_validation():
         with pytest.raises(WireError) as e:
             VerifyRequest.decode(wire.pack(m), V, 8)
         assert e.value.field == "alts"
-    resp = VerifyResponse(0, 1, 11, None, 6, 0.1, (), 8)
+    resp = VerifyResponse(0, 1, 11, None, 6, 0.1, (), sibling=8)
     assert VerifyResponse.decode(resp.encode()).sibling == 8
     assert len(wire.unpack(VerifyResponse(0, 1, 11, None, 6, 0.1).encode())) == 8
 
@@ -102,7 +102,7 @@ def test_verifier_sibling_hit_commits_target_tokens_and_cuts_the_cache(target, w
     s = _session(target, prompt)
     v.prefill(s)
     r = v.verify(s, VerifyRequest(1, 0, len(prompt), s.cfg.config_id, None,
-                                  np.array(block), None, None, None, alts))
+                                  np.array(block), None, None, None, alts=alts))
     assert (r.accepted, r.sibling) == (wrong_at, truth[wrong_at])
     assert r.next_token == truth[wrong_at + 1]
     assert s.tokens == prompt + truth[:wrong_at + 2]
@@ -124,7 +124,7 @@ def test_verifier_tree_without_hit_equals_chain(target):
         v, s = Verifier(target), _session(target, prompt)
         v.prefill(s)
         r = v.verify(s, VerifyRequest(1, 0, 3, s.cfg.config_id, None, np.array(block),
-                                      None, None, None, a))
+                                      None, None, None, alts=a))
         out.append((r.accepted, r.next_token, r.sibling, s.tokens, s.kv.ids))
     assert out[0] == out[1] and out[0][2] is None
 
@@ -151,7 +151,7 @@ def test_verifier_refuses_trees_where_inexact(target):
         req = VerifyRequest(1, 0, 2, s.cfg.config_id, None, np.array([4]),
                             np.array([0.5]) if not cfg.greedy else None,
                             np.full((1, 64), 1 / 64) if mode == "standard" else None,
-                            None, [[5]])
+                            None, alts=[[5]])
         with pytest.raises(ApiError) as e:
             v.check(s, req)
         assert e.value.status == 422 and e.value.field == "alts"
@@ -159,7 +159,7 @@ def test_verifier_refuses_trees_where_inexact(target):
     v.max_tree_rows = 4
     with pytest.raises(ApiError) as e:
         v.check(s, VerifyRequest(1, 0, 2, s.cfg.config_id, None, np.array([4, 5]), None,
-                                 None, None, [[6, 7], []]))
+                                 None, None, alts=[[6, 7], []]))
     assert e.value.field == "alts"
 
 
