@@ -66,6 +66,9 @@ def _cpus(value: str | None) -> list[int] | None:
               help="Prompt selection and per-request sampling seeds.")
 @click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
               help="Draft depth for fixed-depth modes (tokens per block).")
+@click.option("--siblings", type=click.IntRange(1, 4), default=None,
+              help="Sibling width of the sr-tree mode (the draft's next-best tokens per "
+              "uncertain position) [default: 2].")
 @click.option("--concurrent-depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None,
               help="Draft depth of the concurrent modes (default: --depth). The pipeline's "
               "best depth is lower than a single request's: the edge's one draft worker "
@@ -307,6 +310,9 @@ def _config(o: dict):
                           auth=not o["insecure_no_auth"], edge_load=o["edge_load"],
                           warmup=not o["no_warmup"], dtype=o["dtype"],
                           server_kw={"max_wait_s": o["max_wait_ms"] / 1000.0}, **run, **kw)
+        if o.get("siblings"):
+            cfg.mode_options.setdefault("sr-tree", {}).setdefault(
+                "client", {})["siblings"] = o["siblings"]
         if any(M.get_mode(m).early_exit for m in cfg.modes):
             cfg.server_kw["early_exit"] = o["early_exit"]
         if any(getattr(M.get_mode(m), "wisv", False) for m in cfg.modes):

@@ -72,6 +72,8 @@ def _server_main(conn, target, dtype: str, cpus, threads: int, auth: bool,
             store, raw_key = ephemeral_key_store("bench-ephemeral", rpm=10**9, tpm=10**12)
         if "early_exit" in server_kw and isinstance(target, str):
             server_kw = {"early_exit_preset": target, **server_kw}
+        if "wisv_head" in server_kw and isinstance(target, str):
+            server_kw = {"wisv_preset": target, **server_kw}
         asyncio.run(_serve(conn, model, tok, store, raw_key, threads, load_s, server_kw))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         try:
@@ -91,6 +93,10 @@ async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -
 
         server_kw["early_head"] = early_head_for(model, tok, server_kw.pop("early_exit"),
                                                  server_kw.pop("early_exit_preset", None))
+    from cloud_api.wisv.serving import take_options
+
+    # WISV: wisv_head (PATH|auto|off), wisv_strict, wisv_relaxed, wisv_max_per_block
+    server_kw = take_options(server_kw, model, server_kw.pop("wisv_preset", None))
     app = create_app(model, tok, key_store=store, threads=threads, **server_kw)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()

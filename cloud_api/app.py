@@ -115,7 +115,9 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60,
             port can face the internet while the metrics stay on a private interface.
         service_kw: :class:`CloudService` options (max_block, max_batch, max_wait_s,
             session_ttl_s, max_sessions, threads, early_head: an
-            :class:`cloud_api.early_exit.ExitHead` for FSD's streamed early verdicts).
+            :class:`cloud_api.early_exit.ExitHead` for FSD's streamed early verdicts,
+            semantic: a :class:`cloud_api.wisv.serving.SemanticAcceptance` for WISV's
+            opt-in semantic acceptance).
     """
     from cloud_api.metrics import METRICS, ApiMetrics
 

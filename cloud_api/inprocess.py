@@ -1,6 +1,7 @@
 """In-process transport: the edge calls a :class:`CloudService` directly, with the same
 wire bytes as over HTTP but no sockets. For embedding cloud and edge in one process
-(tests, simulations); production uses :class:`edge_sdk.transport.Transport`."""
+(tests, simulations, evaluations: a ``CloudService(..., semantic=SemanticAcceptance)``
+serves semantic sessions, WISV); production uses :class:`edge_sdk.transport.Transport`."""
 
 from __future__ import annotations
 

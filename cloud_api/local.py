@@ -39,20 +39,33 @@ def ephemeral_key_store(name: str = "local-ephemeral", *, rpm: int = 100_000,
 
 @contextlib.contextmanager
 def local_server(target, tokenizer, *, name: str = "local-ephemeral", rpm: int = 100_000,
-                 tpm: int = 10_000_000, **app_kw) -> Iterator[LocalServer]:
+                 tpm: int = 10_000_000, preset: str | None = None,
+                 **app_kw) -> Iterator[LocalServer]:
     """Serve ``target`` (a loaded HF causal LM) signed, on a free loopback port.
 
     Args:
         target, tokenizer: the target model and its tokenizer.
         name, rpm, tpm: the ephemeral key's name and rate limits.
-        app_kw: further :func:`cloud_api.app.create_app` options (``max_batch``, ...).
+        app_kw: further :func:`cloud_api.app.create_app` options (``max_batch``,
+            ``early_head``, ``semantic``: a :class:`cloud_api.wisv.serving.
+            SemanticAcceptance` so that semantic sessions (WISV) run in this process;
+            :func:`cloud_api.wisv.serving.semantic_for` builds one from a head file),
+            or the ``serve`` options ``wisv_head`` (PATH, ``auto``: the shipped head of
+            ``preset``, ``off``), ``wisv_strict``, ``wisv_relaxed``,
+            ``wisv_max_per_block``.
+        preset: the target's preset name (for ``wisv_head="auto"``).
     Yields:
         A :class:`LocalServer`; the server stops (in-flight requests finish) on exit.
+    Raises:
+        ValueError: a WISV head that cannot be loaded (one line naming the file).
     """
     from cloud_api.app import create_app
     from cloud_api.server import BackgroundServer
     from edge_sdk.protocol.signing import Signer
 
+    from cloud_api.wisv.serving import take_options
+
+    app_kw = take_options(app_kw, target, preset)
     store, raw_key = ephemeral_key_store(name, rpm=rpm, tpm=tpm)
     app = create_app(target, tokenizer, key_store=store, **app_kw)
     with BackgroundServer(app) as srv:

@@ -51,6 +51,9 @@ class ApiMetrics:
             "specrelay_early_verdicts_total", "FSD early verdicts streamed, by whether the "
             "final verdict matched them (early_verdict_hit_rate = hit / all)", ["outcome"],
             registry=r)
+        self.semantic_accepted = Counter(
+            "specrelay_semantic_accepted_tokens_total", "Draft tokens accepted "
+            "semantically (WISV, lossy: they differ from the target's choice)", registry=r)
         self.sessions = Gauge("specrelay_sessions", "Open sessions", registry=r)
         self.evictions = Gauge("specrelay_session_evictions", "Sessions evicted (TTL/limit)",
                                registry=r)
@@ -64,6 +67,7 @@ class ApiMetrics:
         """Count one verified block of depth ``g`` (a VerifyResponse)."""
         self.drafted.inc(g)
         self.accepted.inc(resp.accepted)
+        self.semantic_accepted.inc(resp.semantic_accepted)
         self.target_seconds.inc(resp.target_s)
         if g == 0:
             pass                        # a plain target step: neither bonus nor correction

@@ -35,15 +35,20 @@ class CloudService:
 
     ``verifier``: a :class:`cloud_api.scoring.interface.VerifierBackend` other than the
     torch verifier of ``model`` (e.g. :class:`cloud_api.scoring.verifier.
-    ScoringVerifier`; ``model`` may then be None: no KV cache of ours)."""
+    ScoringVerifier`; ``model`` may then be None: no KV cache of ours).
+    ``semantic``: a :class:`cloud_api.wisv.serving.SemanticAcceptance` (WISV's
+    decision head, threshold policy and per-block cap) for sessions that ask for
+    ``acceptance="semantic"``; None refuses them (422 ``semantic_unavailable``)."""
 
     def __init__(self, model, tokenizer, *, max_block: int = MAX_DRAFT_TOKENS, max_batch: int = 8,
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
                  max_sessions: int = 256, max_sessions_per_key: int = 64,
                  kv_budget_bytes: int | None = None, threads: int | None = None,
-                 metrics=None, early_head=None, verifier=None):
+                 metrics=None, early_head=None, verifier=None, semantic=None):
         self.model, self.tokenizer = model, tokenizer
-        self.verifier = verifier or Verifier(model, max_block, early_head)
+        if verifier is not None and semantic is not None:
+            raise ValueError("semantic acceptance needs the torch verifier (hidden states)")
+        self.verifier = verifier or Verifier(model, max_block, early_head, semantic)
         if metrics is not None:
             self.verifier.on_early_outcome = (
                 lambda hit: metrics.early_verdicts.labels("hit" if hit else "miss").inc())
@@ -127,6 +132,7 @@ class CloudService:
             raise ApiError(422, "tokenizer_mismatch", "the draft's tokenizer differs from "
                            "the target's: draft and target must share a tokenizer",
                            "tokenizer_hash")
+        self.verifier.check_acceptance(m["acceptance"], m["sampling"])
         ids = m.get("prompt_ids") or encode_prompt(self.tokenizer, m["prompt"], m["chat"])
         if len(ids) >= self.verifier.max_context:
             raise ApiError(422, "context_full", "prompt exceeds the model context", "prompt")
@@ -134,7 +140,7 @@ class CloudService:
         s = Session(self.sessions.new_id(), owner, m["sampling"], m["seed"], m["mode"],
                     m["support_k"], m["n_proposals"], m["max_new_tokens"],
                     KVModel(self.model) if self.model is not None else None,
-                    list(ids), len(ids))
+                    list(ids), len(ids), acceptance=m["acceptance"])
         loop = asyncio.get_running_loop()
         prefill_s = await loop.run_in_executor(self.executor, self.verifier.open, s)
         self.sessions.add(s)
@@ -143,6 +149,8 @@ class CloudService:
             self.metrics.evictions.set(self.sessions.evictions)
         return {**s.state(), "prompt_ids": ids, "vocab_size": V,
                 "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
+                "max_tree_rows": (self.verifier.max_tree_rows
+                                  if getattr(self.verifier, "supports_trees", False) else 0),
                 "prefill_s": prefill_s}
 
     async def verify(self, sid: str, body: bytes, owner: str | None, charge=None,
@@ -220,4 +228,5 @@ class CloudService:
         """Load figures: open sessions, KV-cache bytes they hold, target passes and
         seconds (the replica router's least-loaded choice reads ``sessions``)."""
         return {"sessions": len(self.sessions), "kv_bytes": self.sessions.kv_bytes(),
-                "passes": self.verifier.passes, "target_s": self.verifier.target_seconds}
+                "passes": self.verifier.passes, "target_s": self.verifier.target_seconds,
+                "semantic_accepted_tokens": getattr(self.verifier, "semantic_accepted", 0)}

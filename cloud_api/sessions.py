@@ -34,7 +34,8 @@ class Session:
     ``tokens`` is the confirmed sequence (prompt + committed). While ``awaiting`` the
     edge owes the correction token of the last block (``pending_commit``); the
     confirmed length the edge sees is then ``len(tokens) + 1``. KV invariant: the target
-    cache holds exactly the confirmed sequence minus its last token.
+    cache holds exactly the confirmed sequence minus its last token (semantically
+    accepted drafts are confirmed tokens like any other).
     """
 
     id: int
@@ -54,17 +55,25 @@ class Session:
     pending_p: tuple | None = None     # (block_seq, p row float64 [V]) for corrections
     created: float = field(default_factory=time.monotonic)
     touched: float = field(default_factory=time.monotonic)
+    #: ``exact`` (the target's output) or ``semantic`` (WISV, lossy: greedy blocks may
+    #: have mismatching drafts accepted by the decision head)
+    acceptance: str = "exact"
 
     @property
     def base_len(self) -> int:
         return len(self.tokens) + int(self.awaiting)
 
     def state(self) -> dict:
-        return {"session_id": str(self.id), "base_len": self.base_len,
-                "next_block_seq": self.next_seq, "awaiting_correction": self.awaiting,
-                "prompt_len": self.prompt_len, "config_id": self.cfg.config_id,
-                "generated": len(self.tokens) - self.prompt_len,
-                "sampling": self.cfg.to_dict(), "mode": self.mode}
+        """The session's confirmed state (``acceptance`` only for semantic sessions:
+        an exact session's answers are what they were before WISV)."""
+        out = {"session_id": str(self.id), "base_len": self.base_len,
+               "next_block_seq": self.next_seq, "awaiting_correction": self.awaiting,
+               "prompt_len": self.prompt_len, "config_id": self.cfg.config_id,
+               "generated": len(self.tokens) - self.prompt_len,
+               "sampling": self.cfg.to_dict(), "mode": self.mode}
+        if self.acceptance != "exact":
+            out["acceptance"] = self.acceptance
+        return out
 
     REPLAY_BLOCKS = 2   # answers kept for retries: the last block and one sent ahead
 

@@ -1,8 +1,10 @@
 """Target-side verification of draft blocks and the correction payloads
-(speculative sampling, Leviathan et al. 2023 §2.3; AsymSpec §IV-B).
+(speculative sampling, Leviathan et al. 2023 §2.3; AsymSpec §IV-B), and WISV's opt-in
+semantic acceptance for sessions that ask for it (WISV §III).
 
 Mechanism only: the acceptance rule, residual and certificate math come from
-``edge_sdk.protocol.sampling`` (shared with the edge).
+``edge_sdk.protocol.sampling`` (shared with the edge); whether a mismatching draft is
+accepted semantically is the policy of :class:`cloud_api.wisv.serving.SemanticAcceptance`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import torch
 from cloud_api.early_exit import ExitHead, decoder_layers
 from cloud_api.early_verdict import provisional_verdict
 from cloud_api.sessions import ApiError, Session
+from cloud_api.wisv.serving import SemanticAcceptance
 from edge_sdk.kvmodel import batched_forward
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
+from edge_sdk.protocol import tree as TR
 from edge_sdk.protocol.frames import EarlyVerdict
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from edge_sdk.protocol.wire import (Correction, CorrectionRequest, CorrectionResponse,
@@ -47,10 +51,24 @@ class Verifier:
     (a forward hook on that decoder layer: same pass, same positions and caches; the
     layers above still run in full); ``early_frames`` / ``early_hits`` count them and
     how many matched the final verdict.
+
+    A greedy block may carry siblings (``VerifyRequest.alts``): its rows form a sibling
+    tree (:mod:`edge_sdk.protocol.tree`) run in the same pass under a tree mask, at most
+    ``max_tree_rows`` rows; ``sibling_hits`` counts the accepted siblings.
+
+    With ``semantic`` (WISV §III), sessions created with ``acceptance="semantic"`` may
+    have mismatching drafts accepted by its decision head (:meth:`_semantic_walk`): a
+    forward pre-hook on the LM head keeps the target's last hidden state [B, T, H] of
+    a pass that holds such a row (registered for that pass only); ``semantic_accepted``
+    counts the tokens accepted that way. Exact sessions are decided by the exact rule
+    alone, whatever ``semantic`` is.
     """
 
+    supports_trees = True
+
     def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS,
-                 early_head: ExitHead | None = None):
+                 early_head: ExitHead | None = None,
+                 semantic: SemanticAcceptance | None = None, max_tree_rows: int = 40):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))
@@ -59,6 +77,8 @@ class Verifier:
         self.target_seconds = 0.0
         self.near_tie_gap = S.near_tie_gap(next(model.parameters()).dtype)
         self.near_ties = 0          # committed greedy tokens chosen at a near-tie
+        self.max_tree_rows = max_tree_rows
+        self.sibling_hits = 0
         self.early_head = early_head
         self.early_frames = self.early_hits = 0
         self.on_early_outcome = None    # (hit: bool) -> None, e.g. a Prometheus counter
@@ -67,6 +87,14 @@ class Verifier:
         if early_head is not None:
             decoder_layers(model)[early_head.layer - 1].register_forward_hook(
                 self._exit_hook)
+        self.semantic = semantic
+        self.semantic_accepted = 0      # tokens accepted semantically (WISV)
+        self._hidden: torch.Tensor | None = None    # [B, T, H] of a semantic pass
+        if semantic is not None:
+            hid = int(model.config.hidden_size)
+            if semantic.hidden_size != hid:
+                raise ValueError(f"WISV head: hidden size {semantic.hidden_size} != the "
+                                 f"target's {hid}")
 
     def prefill(self, s: Session) -> float:
         """Fill the target cache with the prompt minus its last token. Returns seconds."""
@@ -94,17 +122,40 @@ class Verifier:
         wants = [(b, *row, sinks[row[0]]) for b, row in enumerate(ready)
                  if sinks is not None and sinks[row[0]] is not None]
         self._early = (time.perf_counter(), wants) if wants and self.early_head else None
+        trees = [TR.layout(len(blk), req.alts) if req.alts else None
+                 for _, _, req, _, blk in ready]
+        hook = None
+        if self.semantic is not None and any(s.acceptance == "semantic"
+                                             for _, s, *_ in ready):
+            hook = self.model.get_output_embeddings().register_forward_pre_hook(
+                self._hidden_hook)
+        self._hidden = None
         try:
-            logits = batched_forward([s.kv for _, s, *_ in ready],
-                                     [[ctx[-1]] + blk for *_, ctx, blk in ready])
+            logits = batched_forward(
+                [s.kv for _, s, *_ in ready],
+                [[ctx[-1]] + blk + ([t for _, t, _ in tr.sib_rows] if tr else [])
+                 for (*_, ctx, blk), tr in zip(ready, trees)],
+                trees if any(trees) else None)
         finally:
             self._early = None
+            if hook is not None:
+                hook.remove()
+        hidden, self._hidden = self._hidden, None
         share = (time.perf_counter() - t0) / len(ready)   # cost per block, seconds
         self.passes += 1
-        for (i, s, req, context, block), lg in zip(ready, logits):
-            results[i] = self._decide(s, req, context, block, lg, share)
+        for b, ((i, s, req, context, block), lg, tr) in enumerate(
+                zip(ready, logits, trees)):
+            h = (hidden[b, :len(block) + 1] if hidden is not None
+                 and s.acceptance == "semantic" else None)
+            results[i] = (self._decide(s, req, context, block, lg, share, h) if tr is None
+                          else self._decide_tree(s, req, context, block, lg, tr, share))
             self._count_early(req, results[i])
         return results
+
+    def _hidden_hook(self, module, args) -> None:
+        """Forward pre-hook on the LM head, registered for a pass that holds a semantic
+        row: keep its input (the final norm's output, [B, T, H])."""
+        self._hidden = args[0].detach()
 
     # ------------------------------------------------------------------ early exit
 
@@ -181,6 +232,9 @@ class Verifier:
             raise ApiError(409, "stale_block", "block was sent ahead on an outcome of the "
                            "previous block that did not happen", "expect_last",
                            state=s.state())
+        if req.channel is not None and s.acceptance != "semantic":
+            raise ApiError(422, "bad_field", "channel state is sent by semantic sessions "
+                           "only", "channel")
         if s.awaiting != (req.pending_commit is not None):
             raise ApiError(422, "bad_field", "pending_commit required" if s.awaiting
                            else "no correction is pending", "pending_commit")
@@ -190,6 +244,16 @@ class Verifier:
                 raise ApiError(422, "bad_field", "pending_commit has zero target probability",
                                "pending_commit")
         g = len(req.tokens)
+        if req.alts is not None:
+            if (not self.supports_trees or not s.cfg.greedy or s.mode != "asym"
+                    or s.acceptance != "exact"):
+                raise ApiError(422, "bad_field", "siblings (a token tree) need a greedy "
+                               "config, exact acceptance, the compact protocol and a "
+                               "torch verifier", "alts")
+            rows = 1 + g + sum(len(a) for a in req.alts)
+            if rows > self.max_tree_rows:
+                raise ApiError(422, "bad_field", f"tree of {rows} rows exceeds the limit "
+                               f"of {self.max_tree_rows}", "alts")
         if s.base_len + g + 1 > self.max_context:
             raise ApiError(422, "context_full", "block would exceed the model context", "tokens")
         if s.cfg.greedy:
@@ -201,11 +265,29 @@ class Verifier:
         elif req.q_tok is None and g:
             raise ApiError(422, "bad_field", "sampling configs need q for each draft", "q")
 
+    def check_acceptance(self, acceptance: str, cfg: S.SamplingConfig) -> None:
+        """May a session be created with ``acceptance``? Raises ApiError 422 (field
+        ``acceptance``): ``bad_field`` for semantic acceptance with a sampling config
+        (WISV decides greedy blocks only), ``semantic_unavailable`` when this server has
+        no decision head loaded."""
+        if acceptance != "semantic":
+            return
+        if not cfg.greedy:
+            raise ApiError(422, "bad_field", "semantic acceptance needs a greedy sampling "
+                           "config (temperature 0)", "acceptance")
+        if self.semantic is None:
+            raise ApiError(422, "semantic_unavailable", "this server has no WISV decision "
+                           "head loaded (specrelay serve --wisv-head)", "acceptance")
+
     def _decide(self, s: Session, req: VerifyRequest, context: list[int],
-                block: list[int], logits: torch.Tensor, target_s: float) -> VerifyResponse:
+                block: list[int], logits: torch.Tensor, target_s: float,
+                hidden: torch.Tensor | None = None) -> VerifyResponse:
         """Apply the acceptance rule to the target logits [g+1, V] of one block and
-        commit: confirmed += accepted drafts (+ next token); cache = confirmed[:-1]."""
-        a, nxt, corr, p_rej, ties = self._verdict(s, req, context, block, logits)
+        commit: confirmed += accepted drafts (semantic ones included) (+ next token);
+        cache = confirmed[:-1]. ``hidden`` [g+1, H]: the LM head's input rows of the
+        block (semantic sessions only)."""
+        a, nxt, corr, p_rej, ties, sem = self._verdict(s, req, context, block, logits,
+                                                       hidden)
         self._crop(s, len(context) + a)
         s.tokens = context + block[:a] + ([nxt] if nxt is not None else [])
         s.awaiting = corr is not None
@@ -213,24 +295,94 @@ class Verifier:
         s.next_seq += 1
         self._check_cache(s)
         self.target_seconds += target_s
-        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s, ties)
+        if sem is not None:
+            self.semantic_accepted += len(sem)
+        return VerifyResponse(req.block_seq, a, nxt, corr, s.base_len, target_s, ties, sem)
+
+    def _decide_tree(self, s: Session, req: VerifyRequest, context: list[int],
+                     block: list[int], logits: torch.Tensor, tree: TR.TreeLayout,
+                     target_s: float) -> VerifyResponse:
+        """Greedy verdict of a sibling tree (logits [T, V] of the tree's rows) and its
+        commit: confirmed += accepted drafts (+ the accepted sibling) + next token; the
+        cache is cut to the accepted branch (confirmed[:-1])."""
+        g = len(block)
+        x = S.process_block(logits[: g + 1], s.cfg, context, block)
+        a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
+        sib, ties = None, self.tie_offsets(x[: a + 1])
+        if a < g:
+            rows = [(tok, r) for i, tok, r in tree.sib_rows if i == a and tok == nxt]
+            if rows:
+                sib, r = rows[0]
+                xs = S.process_next(logits[r], s.cfg, context + block[:a] + [sib])
+                nxt = int(S.greedy_token(xs))
+                ties = ties + tuple(a + 1 for _ in self.tie_offsets(xs[None]))
+        C = len(context)
+        if sib is None:
+            self._crop(s, C + a)
+            s.tokens = context + block[:a] + [nxt]
+        else:
+            s.kv.keep(C + a, [C - 1 + r])
+            s.tokens = context + block[:a] + [sib, nxt]
+            self.sibling_hits += 1
+        s.awaiting, s.pending_p = False, None
+        s.next_seq += 1
+        self._check_cache(s)
+        self.target_seconds += target_s
+        return VerifyResponse(req.block_seq, a, nxt, None, s.base_len, target_s, ties,
+                              sibling=sib)
 
     def _verdict(self, s: Session, req: VerifyRequest, context: list[int],
-                 block: list[int], logits: torch.Tensor) -> tuple:
+                 block: list[int], logits: torch.Tensor,
+                 hidden: torch.Tensor | None = None) -> tuple:
         """The decision on one block from its target logits [g+1, V] (rows after
         ``context + block[:i]``; ``-inf`` where a scoring backend returned no score):
         (accepted, next token or None, Correction or None, rejected p row or None,
-        near-tie offsets). Mutates nothing."""
+        near-tie offsets, semantic offsets or None for an exact session). Mutates
+        nothing but the head's call counter."""
         x = S.process_block(logits, s.cfg, context, block)      # float64 [g+1, V]
         # indexed by the block's position, not its sequence number: a session re-created
         # from the confirmed prefix after a restart draws exactly what the lost one would
         gen = rng.generator(s.seed, rng.VERIFY, len(context))
         if s.cfg.greedy:
-            a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
-            return a, nxt, None, None, self.tie_offsets(x[: a + 1])
+            blk = torch.tensor(block, dtype=torch.long)
+            a, nxt = S.greedy_verify(blk, x)
+            sem = None
+            if s.acceptance == "semantic":
+                a, nxt, sem = self._semantic_walk(req, blk, x, hidden, a, nxt)
+            return a, nxt, None, None, self.tie_offsets(x[: a + 1]), sem
         p = torch.softmax(x, dim=-1)
         a, nxt, corr, p_rej = self._sample_verdict(s, req, logits, p, context, block, gen)
-        return a, nxt, corr, p_rej, ()
+        return a, nxt, corr, p_rej, (), None
+
+    def _semantic_walk(self, req: VerifyRequest, blk: torch.Tensor, x: torch.Tensor,
+                       hidden: torch.Tensor | None, a: int, nxt: int
+                       ) -> tuple[int, int, tuple]:
+        """WISV's greedy verdict (WISV §III-A): from the exact verdict ``(a, nxt)`` of
+        draft ``blk`` [g] on processed rows ``x`` [g+1, V], walk on along the block. At
+        a mismatch (draft != argmax) the decision head reads ``hidden`` [g+1, H] (the
+        LM head's input) and the row; the draft is accepted when P(accept) >= tau(the
+        request's channel), and the walk goes on (the row after it is conditioned on
+        it already); otherwise, or past ``max_per_block`` semantic acceptances, the
+        block stops there with the argmax as next token. One head call per block with
+        a mismatch. Returns ``(accepted, next token, semantic offsets)``."""
+        g = blk.numel()
+        sa = self.semantic
+        if a == g:
+            return a, nxt, ()
+        if sa is None or hidden is None:
+            raise AssertionError("a semantic session without a decision head or hidden "
+                                 "states")
+        miss = torch.nonzero(blk != S.greedy_token(x[:g])).flatten()[:sa.max_per_block]
+        probs = sa.probs(hidden[miss], x[miss], blk[miss])          # [m], m >= 1
+        tau = sa.threshold(req.channel)
+        sem: list[int] = []
+        for pos, p in zip(miss.tolist(), probs.tolist()):
+            if pos != a or p < tau:      # the walk stopped before, or the head refuses
+                break
+            sem.append(pos)
+            a2, nxt = S.greedy_verify(blk[pos + 1:], x[pos + 1:])
+            a = pos + 1 + a2
+        return a, nxt, tuple(sem)
 
     def _crop(self, s: Session, length: int) -> None:
         """Keep the first ``length`` positions of the session's target cache."""

@@ -7,18 +7,22 @@ from a depth controller (``edge_sdk.control``: fixed, heuristic, CAAC of RAPID,
 UCB-SpecStop). Rounds are stop-and-wait, or proactive (``edge_sdk.proactive``: RAPID's
 IPDG/NPDG) where the next block is drafted while the current one is being verified.
 Output equals the target's: greedy token-for-token, sampling in distribution
-(Leviathan et al. 2023 §2.3; AsymSpec §IV-B), whatever the controller or proactive mode.
+(Leviathan et al. 2023 §2.3; AsymSpec §IV-B), whatever the controller or proactive mode
+— unless a request asks for ``acceptance="semantic"`` (WISV, lossy, never the default).
 """
 
 from __future__ import annotations
 
 from edge_sdk import correction as C
+from edge_sdk.channel import ChannelEstimator
 from edge_sdk.control import DepthController, FixedDepth, make_controller
+from edge_sdk.control.siblings import SiblingPolicy
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
 from edge_sdk.proactive import MODES as PROACTIVE_MODES
 from edge_sdk.protocol.limits import MAX_PROACTIVE_ROOTS
+from edge_sdk.protocol.wire import ACCEPTANCE
 from edge_sdk.results import CloudUnreachable, GenerationResult, TokenEvent
 from edge_sdk.scheduler import DraftScheduler
 from edge_sdk.transport import Transport
@@ -85,9 +89,27 @@ class EdgeClient:
         local_target: an ``edge_sdk.local_target.LocalSession`` (``build_local``) for
             ``on_cloud_loss="local"`` (its ``step(ids, max_tokens, cfg, seed)`` is called
             once per round while the cloud is lost).
+        siblings: greedy sibling trees (SpecInfer / Sequoia token-tree verification):
+            a :class:`edge_sdk.control.siblings.SiblingPolicy` or an int width (the
+            draft's next-best tokens at each position it is least sure of, verified in
+            the same target pass; a hit commits the sibling and its bonus token). None
+            or 0: chains only. Only used for greedy requests on a server advertising
+            ``max_tree_rows``; the output stays the target's greedy output.
         ssl_context: TLS context trusting the server's CA for ``https://`` (when no
             ``transport`` is given). A certificate error is raised at once
             (``edge_sdk.transport.TLSVerifyError``), never waited out.
+        acceptance: the requests' default acceptance (a request may override it):
+            ``exact`` (default: the target's output) or ``semantic`` (WISV §III, lossy:
+            the cloud's decision head may accept a draft token the target would not
+            have chosen; greedy sampling only, and the server needs a head loaded, else
+            the create is refused with 422 naming ``acceptance``). A semantic request
+            sends its channel state with each block (:mod:`edge_sdk.channel`), marks
+            the tokens accepted that way (``TokenEvent.semantic``) and reports them
+            (``GenerationResult.semantic_accepted_tokens``, ``exact_target_output``,
+            ``metrics["semantic_accepted_tokens"]``).
+        link: the link the semantic channel report describes: anything with
+            ``rtt_s`` (seconds) and ``uplink_bps`` (bits per second), e.g. a benchmark
+            network profile; None: measured (:class:`edge_sdk.channel.ChannelEstimator`).
     """
 
     def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = 4,
@@ -99,7 +121,12 @@ class EdgeClient:
                  proactive_roots: int = 1, send_ahead: bool = False,
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
-                 ssl_context=None, local_target=None):
+                 ssl_context=None, local_target=None, acceptance: str = "exact",
+                 link=None, siblings=None):
+        if acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE}")
+        ChannelEstimator(link)                      # validate early
+        self.acceptance, self.link = acceptance, link
         if mode not in ("asym", "standard"):
             raise ValueError("mode must be 'asym' or 'standard'")
         if correction not in C.MODES:
@@ -116,6 +143,11 @@ class EdgeClient:
         if on_cloud_loss == "local" and local_target is None:
             raise ValueError('on_cloud_loss="local" needs local_target=')
         self.local_target = local_target
+        if isinstance(siblings, int) and not isinstance(siblings, bool):
+            siblings = SiblingPolicy(width=siblings) if siblings else None
+        if siblings is not None and not isinstance(siblings, SiblingPolicy):
+            raise ValueError("siblings must be a SiblingPolicy, an int width or None")
+        self.siblings = siblings
         self.on_cloud_loss, self.offline_timeout_s = on_cloud_loss, offline_timeout_s
         self.probe_interval_s = probe_interval_s
         if isinstance(controller, str):
@@ -191,12 +223,15 @@ class EdgeClient:
             target_only: generate with the target alone (blocks of depth 0);
             depth: fixed draft depth for this request (overrides the controller);
             controller: depth controller for this request (as in :class:`EdgeClient`).
+            acceptance: ``exact`` or ``semantic`` for this request (default: the
+                client's; see :class:`EdgeClient`).
             on_round: ``(record: dict) -> None`` called after every verification round
                 with its record (round, depth, planned, accepted, proactive_block,
                 t_send / t_response / t_ready in seconds since the request started,
                 proactive_steps, proactive_plan, hit); for tracing and benchmarks.
         Raises:
             RemoteError: the API refused a request (4xx) after retries.
+            ValueError: bad request options (``acceptance="semantic"`` with sampling).
         """
         gen = self.stream(prompt, **kw)
         async for _ in gen:

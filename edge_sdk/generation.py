@@ -8,6 +8,9 @@ NPDG) the next block is drafted while the current one is verified, and with
 ``send_ahead`` sent before its predecessor's verdict (PipeSpec-style pipelining). A
 lost cloud is handled by the request's policy (:mod:`edge_sdk.offline`). Every draw
 comes from :func:`edge_sdk.protocol.rng.generator`, so a seeded run replays.
+A request with ``acceptance="semantic"`` (WISV, lossy; greedy only) reports its channel
+state with each block (:mod:`edge_sdk.channel`) and marks the tokens the cloud accepted
+semantically.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 from edge_sdk import correction as C
 from edge_sdk import rounds
+from edge_sdk.channel import ChannelEstimator
 from edge_sdk.commit import Committer
 from edge_sdk.control import PlanContext
 from edge_sdk.drafters.base import DraftBlock
@@ -27,6 +31,7 @@ from edge_sdk.offline import CloudLoss
 from edge_sdk.proactive import EARLY_MODES, Lookahead, ProactiveResult
 from edge_sdk.protocol import rng
 from edge_sdk.protocol.sampling import SamplingConfig
+from edge_sdk.protocol.wire import ACCEPTANCE
 from edge_sdk.results import CloudUnreachable, GenerationResult, TokenEvent
 from edge_sdk.session import Ahead, RemoteSession, SessionParams
 
@@ -39,11 +44,14 @@ class Generation:
                  prompt_ids: Sequence[int] | None = None, sampling: SamplingConfig | None = None,
                  max_new_tokens: int = 128, stop: Sequence[str] = (), seed: int = 0,
                  target_only: bool = False, depth: int | None = None,
-                 eps_req: float | None = None, controller=None, on_round=None):
+                 eps_req: float | None = None, controller=None, on_round=None,
+                 acceptance: str | None = None):
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of prompt or prompt_ids")
         self.c = client
         self.cfg = sampling or SamplingConfig()
+        self.acceptance = client.acceptance if acceptance is None else acceptance
+        check_acceptance(self.acceptance, self.cfg)
         self.prompt_ids = (list(prompt_ids) if prompt_ids is not None
                            else encode_prompt(client.tokenizer, prompt, client.chat))
         self.max_new_tokens, self.stop, self.seed = max_new_tokens, list(stop), seed
@@ -54,13 +62,18 @@ class Generation:
         self._leased = None if self.target_only else client._lease_drafter()
         self.pro = Lookahead(self._leased, client.proactive, client.proactive_roots)
         self.ctrl = client._request_controller(controller, depth)
-        self.sess = RemoteSession(client.transport, self._params(), self.m)
+        self.channel = ChannelEstimator(client.link)
+        self.sess = RemoteSession(client.transport, self._params(), self.m,
+                                  self.channel.state)
+        self.sess.siblings = client.siblings
         self.loss = CloudLoss(client.on_cloud_loss, client.offline_timeout_s,
                               client.probe_interval_s, client.transport)
         self.round_idx = 0                      # verification rounds so far (the draws)
         self._ahead: Ahead | None = None        # the kept branch's block, sent ahead
         self._t_verdict: float | None = None    # perf_counter of the last verdict
         self.verified: list[bool] = []
+        self.semantic: list[bool] = []          # per committed token: accepted semantically
+        self._marks: set[int] = set()           # the last round's semantic offsets
         self.on_round = on_round                # per-round record hook (tracing)
 
     def _params(self) -> SessionParams:
@@ -68,12 +81,14 @@ class Generation:
         draft_vocab = c.drafter.vocab_size if c.drafter is not None else None
         return SessionParams(self.cfg, self.seed, c.mode, c.support_k, c.n_proposals,
                              tokenizer_fingerprint(c.tokenizer), draft_vocab,
-                             draft_vocab if draft_vocab is not None else len(c.tokenizer))
+                             draft_vocab if draft_vocab is not None else len(c.tokenizer),
+                             self.acceptance)
 
     def result(self) -> GenerationResult:
         cm = self.committer
         return GenerationResult(cm.text, list(cm.token_ids), cm.finish_reason,
-                                self.prompt_ids, self.m.to_dict(), list(self.verified))
+                                self.prompt_ids, self.m.to_dict(), list(self.verified),
+                                self.acceptance, list(self.semantic))
 
     # ------------------------------------------------------------------ the loop
 
@@ -137,14 +152,18 @@ class Generation:
         return new, True
 
     def _commit(self, new: list[int], verified: bool) -> Iterator[TokenEvent]:
-        for t in new:
+        marks, self._marks = self._marks, set()
+        for i, t in enumerate(new):
             if self.committer.done:
                 break
             text = self.committer.push(t)
             self.m.committed_tokens += 1
+            sem = i in marks
+            self.m.semantic_accepted_tokens += sem
             self.m.first_token()
             self.verified.append(verified)
-            yield TokenEvent(t, text, verified)
+            self.semantic.append(sem)
+            yield TokenEvent(t, text, verified, sem)
 
     def _discard_lookahead(self) -> None:
         """The request ended: a block sent ahead or a kept branch is wasted."""
@@ -256,7 +275,11 @@ class Generation:
         self._t_verdict = time.perf_counter()
         times = rounds.RoundTimes(t_prev, t_sent, t_resp, self._t_verdict)
         self._record(out, len(new), planned, block, times, from_branch, wasted, pro)
+        # a block sent ahead waited behind its predecessor: no network figure of its own
+        self.channel.observe(None if ahead is not None else t_resp - t_sent - resp.target_s,
+                             times.end - times.prev)
         self.round_idx += 1
+        self._marks = set(resp.semantic or ())   # offsets of accepted drafts = of new
         return new
 
     def _count_early(self, pro: ProactiveResult | None, resp, t_resp: float) -> None:
@@ -351,3 +374,12 @@ class Generation:
             return None               # incomplete, or the request may end before it
         return self.sess.send_ahead(br.prefix, br.finish(pro.plan, self.cfg), pro.plan,
                                     br.root)
+
+
+def check_acceptance(acceptance: str, cfg: SamplingConfig) -> None:
+    """Raises ValueError unless ``acceptance`` is ``exact`` or ``semantic``, and
+    ``semantic`` comes with a greedy config (WISV decides greedy blocks only)."""
+    if acceptance not in ACCEPTANCE:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE}, not {acceptance!r}")
+    if acceptance == "semantic" and not cfg.greedy:
+        raise ValueError("acceptance='semantic' needs greedy sampling (temperature 0)")

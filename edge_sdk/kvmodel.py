@@ -50,19 +50,49 @@ class KVModel:
         self.check()
 
     @torch.inference_mode()
-    def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
-        """Append ``new_ids`` [k] and return their logits, float32 [k, V]."""
+    def forward(self, new_ids: Sequence[int], tree=None) -> torch.Tensor:
+        """Append ``new_ids`` [k] and return their logits, float32 [k, V].
+
+        ``tree``: a :class:`edge_sdk.protocol.tree.TreeLayout` of k rows (position
+        offsets from the first new token and the rows' tree mask; the cached past is
+        visible to every row); None: causal. A tree leaves every row in the cache
+        (:meth:`keep` cuts it to the accepted branch)."""
         if not new_ids:
             raise ValueError("forward() needs at least one token")
         x = torch.tensor([list(new_ids)], dtype=torch.long)
+        kw = {}
+        if tree is not None:
+            if tree.rows != len(new_ids):
+                raise ValueError(f"tree of {tree.rows} rows for {len(new_ids)} tokens")
+            P = len(self.ids)
+            mask = torch.ones(1, 1, tree.rows, P + tree.rows, dtype=torch.bool)
+            mask[0, 0, :, P:] = tree.attn
+            kw = {"attention_mask": mask, "position_ids": (P + tree.offsets)[None]}
         try:
-            out = self.model(input_ids=x, cache=self.cache, use_cache=True)
+            out = self.model(input_ids=x, cache=self.cache, use_cache=True, **kw)
         except BaseException:
             self.rebuild()  # a half-updated cache cannot be trimmed reliably
             raise
         self.ids.extend(int(t) for t in new_ids)
         self.check()
         return out.logits[0].float()
+
+    def keep(self, n: int, extra: Sequence[int] = ()) -> None:
+        """Keep the first ``n`` cached tokens plus the entries at indices ``extra``
+        (each >= n, in order): a tree pass cut to its accepted branch. Raises
+        ValueError for indices outside the cache."""
+        have = len(self.ids)
+        extra = [int(i) for i in extra]
+        if not 0 <= n <= have or any(not n <= i < have for i in extra):
+            raise ValueError(f"keep({n}, {extra}) outside 0..{have}")
+        if not extra:
+            return self.crop(n)
+        idx = torch.tensor(list(range(n)) + extra, dtype=torch.long)
+        for lay in self.cache.layers:
+            lay.keys = lay.keys.index_select(-2, idx)
+            lay.values = lay.values.index_select(-2, idx)
+        self.ids = self.ids[:n] + [self.ids[i] for i in extra]
+        self.check()
 
     def sync(self, context: Sequence[int], block: Sequence[int] = ()) -> torch.Tensor:
         """Bring the cache to ``context[:-1]`` (rolling back whatever diverges, reusing
@@ -121,9 +151,10 @@ def _padded_pasts(kvs: Sequence[KVModel], L: list[int], Lm: int) -> DynamicCache
     return cache
 
 
-def _padded_inputs(news: Sequence[Sequence[int]], L: list[int], Lm: int):
+def _padded_inputs(news: Sequence[Sequence[int]], L: list[int], Lm: int, trees=None):
     """Right-padded input ids [B, Tm], position ids [B, Tm] continuing each row's past,
-    and the bool attention mask [B, 1, Tm, Lm + Tm] (own past, causal over own new)."""
+    and the bool attention mask [B, 1, Tm, Lm + Tm] (own past, causal over own new, or
+    row b's tree mask and position offsets when ``trees[b]`` is a TreeLayout)."""
     B, T = len(news), [len(n) for n in news]
     Tm = max(T)
     ids = torch.zeros(B, Tm, dtype=torch.long)
@@ -133,12 +164,19 @@ def _padded_inputs(news: Sequence[Sequence[int]], L: list[int], Lm: int):
     for b in range(B):
         ids[b, :T[b]] = torch.tensor(list(news[b]))
         mask[b, 0, :, Lm - L[b]:Lm] = True
-        mask[b, 0, :, Lm:Lm + T[b]] = causal[:, :T[b]]
+        tree = None if trees is None else trees[b]
+        if tree is None:
+            mask[b, 0, :, Lm:Lm + T[b]] = causal[:, :T[b]]
+        else:
+            mask[b, 0, :T[b], Lm:Lm + T[b]] = tree.attn
+            mask[b, 0, T[b]:, Lm:Lm + T[b]] = causal[T[b]:, :T[b]]   # padding rows
+            pos[b, :T[b]] = L[b] + tree.offsets
     return ids, pos, mask
 
 
 @torch.inference_mode()
-def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]],
+                    trees: Sequence | None = None) -> list[torch.Tensor]:
     """One forward over several sequences with their own KV caches (same model).
 
     Row b continues ``kvs[b]`` (past length L_b) with ``news[b]`` (T_b tokens). Pasts
@@ -146,17 +184,23 @@ def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]]) -> li
     hides the padding and keeps attention causal; position ids continue each row's own
     past. Afterwards each cache is extended by exactly its own T_b new entries.
 
+    ``trees``: per row a :class:`edge_sdk.protocol.tree.TreeLayout` of its T_b new
+    tokens (a sibling tree) or None (causal).
+
     Returns float32 logits per row, [T_b, V]. A batch of one runs unpadded (bit-identical
     to :meth:`KVModel.forward`). Raises ValueError for an empty row.
     """
     if len(kvs) == 1:
-        return [kvs[0].forward(news[0])]
+        return [kvs[0].forward(news[0], None if trees is None else trees[0])]
     if any(not n for n in news):
         raise ValueError("every row needs at least one new token")
     L = [len(k.ids) for k in kvs]
     Lm = max(L)
     cache = _padded_pasts(kvs, L, Lm)
-    ids, pos, mask = _padded_inputs(news, L, Lm)
+    if trees is not None and any(t is not None and t.rows != len(n)
+                                 for t, n in zip(trees, news)):
+        raise ValueError("a tree's rows differ from its row's new tokens")
+    ids, pos, mask = _padded_inputs(news, L, Lm, trees)
     try:
         logits = kvs[0].model(input_ids=ids, attention_mask=mask, position_ids=pos,
                               cache=cache, use_cache=True).logits.float()

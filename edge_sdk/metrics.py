@@ -44,6 +44,8 @@ class RequestMetrics:
     bonus_tokens: int = 0
     target_step_tokens: int = 0     # tokens of depth-0 rounds (target decode, no draft)
     correction_tokens: int = 0
+    sibling_hits: int = 0           # rounds that committed a tree sibling (+ its bonus)
+    sibling_rows: int = 0           # tree siblings sent for verification
     rounds: int = 0                 # verification rounds (target passes for this request)
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -57,6 +59,8 @@ class RequestMetrics:
     accepted_hist: list = field(default_factory=list)   # accepted drafts per round
     unverified_tokens: int = 0      # draft-only tokens while the cloud was unreachable
     local_tokens: int = 0           # exact local-target tokens while the cloud was lost
+    semantic_accepted_tokens: int = 0   # committed drafts accepted semantically (WISV,
+    # lossy; counted in accepted_tokens and committed_tokens too)
     # proactive drafting (IPDG/NPDG, RAPID) and depth control (RAPID)
     proactive_rounds: int = 0       # rounds that started a proactive branch
     proactive_hits: int = 0         # ... whose branch matched the verdict and was kept
@@ -117,12 +121,14 @@ class RequestMetrics:
             "committed_tokens": self.committed_tokens, "bonus_tokens": self.bonus_tokens,
             "target_step_tokens": self.target_step_tokens,
             "correction_tokens": self.correction_tokens, "rounds": self.rounds,
+            "sibling_hits": self.sibling_hits, "sibling_rows": self.sibling_rows,
             "target_passes": self.rounds, "target_seconds": self.target_seconds,
             "draft_seconds": self.draft_seconds, "net_seconds": self.net_seconds,
             "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "wall_s": wall, "accepted_hist": list(self.accepted_hist),
             "unverified_tokens": self.unverified_tokens,
             "local_tokens": self.local_tokens,
+            "semantic_accepted_tokens": self.semantic_accepted_tokens,
             "proactive_rounds": self.proactive_rounds, "proactive_hits": self.proactive_hits,
             "proactive_attempts": self.proactive_rounds,     # bench report's raw-count name
             "proactive_drafted_tokens": self.proactive_drafted_tokens,

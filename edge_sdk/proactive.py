@@ -93,12 +93,19 @@ class Branch:
     q_rows: list[torch.Tensor] = field(default_factory=list)
     draft_s: float = 0.0         # seconds of expansion steps that built it
     dead: bool = False           # no further proposal (n-gram without a match)
+    cands: list | None = field(default_factory=list)    # greedy sibling candidates
+    conf: list = field(default_factory=list)
 
     def _take(self, blk: DraftBlock) -> None:
         self.tokens += blk.tokens
         self.q_tok += [float(x) for x in blk.q_tok]
         if blk.q is not None:
             self.q_rows += list(blk.q)
+        if blk.cands is None or self.cands is None:
+            self.cands = None
+        else:
+            self.cands += blk.cands
+            self.conf += blk.conf
         if len(blk) == 0:
             self.dead = True
 
@@ -113,6 +120,8 @@ class Branch:
         t0 = time.perf_counter()
         if len(self.tokens) > depth:
             del self.tokens[depth:], self.q_tok[depth:], self.q_rows[depth:]
+            if self.cands is not None:
+                del self.cands[depth:], self.conf[depth:]
         elif len(self.tokens) < depth and not self.dead:
             self._take(self.drafter.propose(self.prefix + self.tokens,
                                             depth - len(self.tokens), cfg, self.gen))
@@ -120,8 +129,10 @@ class Branch:
         q = torch.stack(self.q_rows) if (self.q_rows and not cfg.greedy) else (
             None if cfg.greedy else torch.zeros(0, self.drafter.vocab_size,
                                                 dtype=torch.float64))
+        whole = self.cands is not None and len(self.cands) == len(self.tokens)
         return DraftBlock(list(self.tokens), torch.tensor(self.q_tok, dtype=torch.float64),
-                          q, self.draft_s)
+                          q, self.draft_s, list(self.cands) if whole else None,
+                          list(self.conf) if whole else None)
 
 
 @dataclass

@@ -16,19 +16,21 @@ from edge_sdk.drafters.base import DraftBlock
 from edge_sdk.metrics import RequestMetrics
 from edge_sdk.protocol.wire import VerifyResponse
 
-#: What the token after the accepted drafts is.
-TARGET_STEP, BONUS, CORRECTION, EDGE_CORRECTION = ("target_step", "bonus", "correction",
-                                                   "edge_correction")
+#: What the token after the accepted drafts is (``SIBLING``: an accepted tree sibling
+#: at the first mismatch, then the bonus token after it).
+TARGET_STEP, BONUS, CORRECTION, EDGE_CORRECTION, SIBLING = (
+    "target_step", "bonus", "correction", "edge_correction", "sibling")
 
 
 @dataclass(frozen=True)
 class Outcome:
     """One verdict applied to its block.
 
-    depth: g, drafts sent; accepted: a; tokens: the accepted drafts plus the cloud's
-    next token when it sent one (not the edge-drawn correction); kind: what the next
-    token is (``TARGET_STEP``, ``BONUS``, ``CORRECTION``, or ``EDGE_CORRECTION``: the
-    edge must draw it from the correction payload).
+    depth: g, drafts sent; accepted: a; tokens: the accepted drafts (plus an accepted
+    sibling) plus the cloud's next token when it sent one (not the edge-drawn
+    correction); kind: what the next token is (``TARGET_STEP``, ``BONUS``,
+    ``CORRECTION``, ``SIBLING``: the bonus after an accepted sibling, or
+    ``EDGE_CORRECTION``: the edge must draw it from the correction payload).
     """
 
     depth: int
@@ -49,6 +51,8 @@ def apply_verdict(block: DraftBlock | None, resp: VerifyResponse) -> Outcome:
     new = list(block.tokens[:a]) if block else []
     if resp.next_token is None:
         return Outcome(g, a, new, EDGE_CORRECTION)
+    if resp.sibling is not None:
+        return Outcome(g, a, new + [resp.sibling, resp.next_token], SIBLING)
     kind = TARGET_STEP if g == 0 else BONUS if a == g else CORRECTION
     return Outcome(g, a, new + [resp.next_token], kind)
 
@@ -70,6 +74,8 @@ def count_verdict(m: RequestMetrics, out: Outcome, resp: VerifyResponse,
         m.bonus_tokens += 1
     elif out.kind == CORRECTION:
         m.correction_tokens += 1           # an edge-drawn one: count_correction
+    elif out.kind == SIBLING:
+        m.sibling_hits += 1
     m.near_tie_positions.extend(generated + i for i in resp.near_ties)
     m.rounds += 1
     m.drafted_tokens += out.depth

@@ -7,6 +7,10 @@ sent with the next block). A round that fails to complete restores both
 (:meth:`RemoteSession.header` / :meth:`RemoteSession.restore`): a resent block is
 answered from the cloud's replay cache. A session the cloud evicted (404) is
 re-created from the confirmed prefix and the block resent.
+
+A semantic session (WISV) sends its channel state with every block; the state is taken
+once per block sequence number, so a block re-encoded after a failed round is the same
+bytes (answered from the cloud's replay cache, never decided again).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class SessionParams:
     mode: ``asym`` or ``standard``; support_k, n_proposals: correction stage sizes;
     draft_vocab: the drafter's vocabulary size (None: no drafter); vocab: the edge's
     vocabulary size (the drafter's, else the tokenizer's; bounds ``support_k``).
+    acceptance: ``exact`` (default; the create body does not mention it) or
+    ``semantic`` (WISV, lossy).
     """
 
     cfg: SamplingConfig
@@ -44,6 +50,7 @@ class SessionParams:
     tokenizer_hash: str
     draft_vocab: int | None
     vocab: int
+    acceptance: str = "exact"
 
     def body(self, prompt_ids: list[int], max_new: int) -> dict:
         """The create request's map (``POST /v1/sessions``)."""
@@ -54,6 +61,8 @@ class SessionParams:
         body["support_k"] = max(1, min(self.support_k, self.vocab))      # K <= V
         if self.draft_vocab is not None:
             body["vocab_size"] = self.draft_vocab
+        if self.acceptance != "exact":
+            body["acceptance"] = self.acceptance
         return body
 
 
@@ -70,15 +79,22 @@ class Ahead:
 
 
 class RemoteSession:
-    """One cloud session of a request. Counts message bytes in ``metrics``."""
+    """One cloud session of a request. Counts message bytes in ``metrics``.
+    ``channel``: ``() -> (rtt_s, uplink_bps, round_s)``, the link state a semantic
+    session sends with each block (None: not sent)."""
 
-    def __init__(self, transport: Transport, params: SessionParams, metrics: RequestMetrics):
+    def __init__(self, transport: Transport, params: SessionParams, metrics: RequestMetrics,
+                 channel=None):
         self.transport, self.params, self.m = transport, params, metrics
+        self.channel = channel
+        self._channels: dict[int, tuple] = {}    # block seq -> the state it carries
         self.sid: int | None = None
         self.vocab = 0                        # the target's vocabulary (from create)
         self.max_block = MAX_DRAFT_TOKENS     # until the cloud says its own
         self.seq, self.pending = 0, None
         self.path: str | None = None          # /v1/sessions/{sid} once created
+        self.siblings = None                  # a SiblingPolicy (greedy sibling trees)
+        self.max_tree_rows = 0                # the cloud's tree limit (0: no trees)
 
     async def call(self, method: str, path: str, body: bytes = b"", on_early=None) -> bytes:
         kw = {} if on_early is None else {"on_early": on_early}    # FSD transports only
@@ -104,7 +120,9 @@ class RemoteSession:
         info = wire.unpack(data)
         self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
         self.max_block = int(info.get("max_block", self.max_block))
+        self.max_tree_rows = int(info.get("max_tree_rows", 0))
         self.seq, self.pending = 0, None
+        self._channels.clear()
         self.path = f"/v1/sessions/{self.sid}"
         return info
 
@@ -139,9 +157,26 @@ class RemoteSession:
                 torch.tensor(block.tokens), self.vocab).double()).numpy()
         elif block is not None and not self.params.cfg.greedy:
             q_tok = block.q_tok.numpy()
+        alts = None
+        if (self.siblings is not None and self.params.mode == "asym"
+                and self.params.cfg.greedy and self.params.acceptance == "exact"):
+            alts = self.siblings.choose(block, self.max_tree_rows)
+            self.m.sibling_rows += sum(len(a) for a in alts or ())
         return wire.VerifyRequest(self.sid, seq, len(tokens), self.params.cfg.config_id,
                                   pending, toks, q_tok, q_full,
-                                  int(tokens[-1]) if pending is None else None)
+                                  int(tokens[-1]) if pending is None else None,
+                                  self._channel_of(seq), alts)
+
+    def _channel_of(self, seq: int) -> tuple | None:
+        """The channel state block ``seq`` carries (semantic sessions only), taken on
+        its first encoding and kept for re-encodings of the same block."""
+        if self.params.acceptance != "semantic" or self.channel is None:
+            return None
+        if seq not in self._channels:
+            self._channels[seq] = tuple(float(x) for x in self.channel())
+            for old in [k for k in self._channels if k < seq - 1]:
+                del self._channels[old]
+        return self._channels[seq]
 
     async def verify(self, tokens: list[int], block: DraftBlock | None,
                      remaining: int, on_early=None) -> wire.VerifyResponse:

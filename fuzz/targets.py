@@ -74,6 +74,10 @@ def verify_request(data: bytes) -> None:
         m = wire.VerifyRequest.decode(body, vocab, MAX_BLOCK)
     except wire.WireError:
         return
+    if m.channel is not None and not all(
+            isinstance(x, float) and math.isfinite(x) and lo <= x <= hi
+            for x, (_, lo, hi) in zip(m.channel, wire.CHANNEL_RANGES)):
+        raise Finding(f"an accepted channel element is out of range: {m.channel}")
     _round_trip(m, lambda x: x.encode(vocab),
                 lambda b: wire.VerifyRequest.decode(b, vocab, MAX_BLOCK))
 
@@ -83,6 +87,8 @@ def verify_response(data: bytes) -> None:
         m = wire.VerifyResponse.decode(data)
     except wire.WireError:
         return
+    if m.semantic is not None and any(i >= m.accepted for i in m.semantic):
+        raise Finding("an accepted semantic offset is not an accepted draft")
     _round_trip(m, lambda x: x.encode(), wire.VerifyResponse.decode)
 
 
@@ -131,6 +137,8 @@ def session_request(data: bytes) -> None:
         return
     if not isinstance(m, dict) or not ({"prompt", "prompt_ids"} & set(m)):
         raise Finding("an accepted session request lost its prompt")
+    if m.get("acceptance") not in wire.ACCEPTANCE:
+        raise Finding(f"an accepted session request has acceptance {m.get('acceptance')!r}")
 
 
 def api_key(data: bytes) -> None:
@@ -301,10 +309,17 @@ def seeds(name: str) -> list[bytes]:
             v + wire.VerifyRequest(1, 3, 13, 1, 4, toks[:1], None, None).encode(151_936),
             bytes([0]) + wire.VerifyRequest(7, 0, 5, 2, None, np.array([1, 2]), None,
                                             np.full((2, 50), 1 / 50)).encode(50),
-            v + wire.VerifyRequest(1, 4, 16, 0, None, toks, q, None, 99).encode(151_936)],
+            v + wire.VerifyRequest(1, 4, 16, 0, None, toks, q, None, 99).encode(151_936),
+            # semantic sessions (WISV): the channel element, with and without expect_last
+            v + wire.VerifyRequest(1, 5, 20, 0, None, toks, None, None, 99,
+                                   (0.08, 5e7, 0.21)).encode(151_936),
+            v + wire.VerifyRequest(1, 6, 24, 0, 7, toks[:2], None, None, None,
+                                   (0.0, 1e12, 0.0)).encode(151_936)],
         "verify_response": [
             wire.VerifyResponse(2, 3, 42, None, 13, 0.08, (0, 2)).encode(),
-            wire.VerifyResponse(3, 0, None, corr, 13, 0.1).encode()],
+            wire.VerifyResponse(3, 0, None, corr, 13, 0.1).encode(),
+            wire.VerifyResponse(4, 5, 42, None, 19, 0.08, (0,), (1, 3)).encode(),
+            wire.VerifyResponse(5, 0, 42, None, 20, 0.08, (), ()).encode()],
         "correction_request": [v + wire.CorrectionRequest(2, 32).encode(),
                                v + wire.CorrectionRequest(2, None).encode()],
         "correction_response": [
@@ -314,12 +329,15 @@ def seeds(name: str) -> list[bytes]:
             v + frames.EarlyVerdict(2, 3, 42, 24, 0.05).encode()
             + wire.VerifyResponse(2, 3, 42, None, 13, 0.08).encode(),
             v + frames.EarlyVerdict(3, 1, None, 24, 0.04).encode()
-            + frames.stream_error(500, {"code": "internal", "message": "m"})],
+            + frames.stream_error(500, {"code": "internal", "message": "m"}),
+            v + frames.EarlyVerdict(4, 1, 42, 24, 0.05).encode()
+            + wire.VerifyResponse(4, 3, 42, None, 17, 0.08, (), (1,)).encode()],
         "session_request": [v + wire.pack({
             "prompt_ids": [1, 2, 3], "chat": False, "seed": 3, "max_new_tokens": 64,
             "sampling": {"temperature": 0.7, "top_p": 0.9}, "vocab_size": 151_936,
             "mode": "asym", "support_k": 32, "n_proposals": 4}),
-            v + wire.pack({"prompt": "Hi", "chat": True})],
+            v + wire.pack({"prompt": "Hi", "chat": True}),
+            v + wire.pack({"prompt_ids": [1, 2], "acceptance": "semantic"})],
         "api_key": [sg.format_api_key("A" * sg.LOOKUP_LEN, "b" * 32).encode()],
         "signature_header": [b"hmac-sha256=" + b"A" * 43 + b"=",
                              b"ed25519=" + b"B" * 86 + b"=="],

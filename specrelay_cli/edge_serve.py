@@ -90,8 +90,12 @@ def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
 @click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=10.0,
               show_default=True, help="Seconds a request waits for an unreachable "
               "cloud before it is answered 503 (with --on-cloud-loss wait).")
+@click.option("--acceptance", type=click.Choice(["exact", "semantic"]), default="exact",
+              show_default=True, help="Acceptance of requests that do not set the "
+              "`acceptance` field: exact (the target's output) or semantic (WISV, lossy; "
+              "greedy requests only, flagged in the response's specrelay object).")
 def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_tokens,
-               on_cloud_loss, proactive, send_ahead, ca_cert, offline_timeout):
+               on_cloud_loss, proactive, send_ahead, ca_cert, offline_timeout, acceptance):
     """Serve an OpenAI-compatible API on the edge (draft here, verify in the cloud).
 
     Point an OpenAI client at http://HOST:PORT/v1 (any api_key)."""
@@ -110,7 +114,7 @@ def edge_serve(url, api_key, draft, host, port, depth, model_name, default_max_t
                           model_name=model_name, default_max_tokens=default_max_tokens,
                           on_cloud_loss=on_cloud_loss, proactive=proactive,
                           send_ahead=send_ahead and proactive != "off",
-                          offline_timeout_s=offline_timeout,
+                          offline_timeout_s=offline_timeout, acceptance=acceptance,
                           ssl_context=(ssl.create_default_context(cafile=ca_cert)
                                        if ca_cert else None))
     click.echo(f"OpenAI-compatible endpoint on http://{host}:{port}/v1 "

@@ -33,7 +33,9 @@ def _client_options(kw: dict) -> dict:
                             else kw["controller"]),
                 proactive=proactive, proactive_roots=kw.get("proactive_roots", 1),
                 send_ahead=kw.get("send_ahead", False) and proactive != "off",
-                offline_timeout_s=kw.get("offline_timeout", 300.0))
+                siblings=kw.get("siblings", 0) or None,
+                offline_timeout_s=kw.get("offline_timeout", 300.0),
+                acceptance=kw.get("acceptance", "exact"))
 
 
 async def run_generation(url, drafter, tok, prompt, kw, signer, ca_cert=None):
@@ -78,7 +80,7 @@ _TABLE_METRICS = ("acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_s",
                   "throughput_tok_s", "uplink_bytes_per_token", "downlink_bytes_per_token",
                   "target_passes_per_token", "target_seconds_per_token",
                   "wasted_draft_tokens", "correction_mode_counts", "tv_budget_spent",
-                  "near_tie_tokens")
+                  "near_tie_tokens", "semantic_accepted_tokens")
 
 
 def _cell(v) -> str:
@@ -108,6 +110,9 @@ def print_result(res, as_json: bool, title: str, note: str | None = None,
     for k, v in (extra or {}).items():
         t.add_row(k, _cell(v))
     con.print(t)
+    if res.semantic_accepted_tokens:
+        con.print(f"[yellow]lossy output: {res.semantic_accepted_tokens} token(s) accepted "
+                  "semantically (WISV), not exactly the target's[/yellow]")
     if note:
         con.print(f"[yellow]{note}[/yellow]")
 
@@ -142,6 +147,9 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
     if kw["local"]:
+        if kw["acceptance"] != "exact":
+            raise click.BadParameter("--local runs the target itself: exact only",
+                                     param_hint="--acceptance")
         return run_local(prompt, kw)
     check_url(url)
     sampling_config(kw)                              # refuse bad values before any load
@@ -177,7 +185,8 @@ def _policy(kw: dict) -> str:
 
 def _compare(srv, tok, prompt, kw, res) -> dict:
     """Run the target alone on ``srv``: throughput, speed-up and (greedy) identity."""
-    ref = asyncio.run(run_generation(srv.url, None, tok, prompt, kw | {"target_only": True},
+    ref = asyncio.run(run_generation(srv.url, None, tok, prompt, kw | {"target_only": True,
+                                                                     "acceptance": "exact"},
                                      srv.signer))
     extra = {"target_only_throughput_tok_s": ref.metrics["throughput_tok_s"],
              "speedup_vs_target_only": (res.metrics["throughput_tok_s"]
@@ -198,18 +207,33 @@ def _compare(srv, tok, prompt, kw, res) -> dict:
               help="Also run the target alone and report identity and speed ratio.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICE), default="auto", show_default=True,
               help=DTYPE_HELP)
+@click.option("--wisv-head", default="auto", show_default=True, metavar="PATH|auto",
+              help="With --acceptance semantic: the server's WISV decision head (auto: "
+              "the target preset's shipped head).")
 @sampling_options
-def demo(prompt, target, draft, compare, dtype, **kw):
+def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
     """Start a local signed server with the default models, generate, print metrics."""
     from cloud_api.local import local_server
     from edge_sdk.models import load_model
+    from specrelay_cli.serve import check_wisv_options, semantic_setting
 
+    sampling_config(kw)                              # refuse bad values before any load
+    semantic = kw["acceptance"] == "semantic"
+    if semantic:
+        check_wisv_options(wisv_head, None, None)
     draft = draft or default_draft(target)
     if not kw["as_json"]:
         click.echo(f"loading target {target} and draft {draft} ...", err=True)
     tmodel, tok = load_model(target, dtype=dtype)
+    sem = None
+    if semantic:
+        sem = semantic_setting(tmodel, target, {"head": wisv_head, "strict": None,
+                                                "relaxed": None, "max_per_block": 2})
+        if sem is None:
+            raise click.BadParameter(f"no shipped WISV head for {target}: pass a head "
+                                     "file (specrelay wisv train)", param_hint="--wisv-head")
     drafter, _ = make_drafter(draft)
-    with local_server(tmodel, tok, name="demo-ephemeral") as srv:
+    with local_server(tmodel, tok, name="demo-ephemeral", semantic=sem) as srv:
         res = asyncio.run(run_generation(srv.url, drafter, tok, prompt, kw, srv.signer))
         extra = (_compare(srv, tok, prompt, kw, res)
                  if compare and not kw["target_only"] else {})

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import click
 
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS
+from edge_sdk.protocol.tree import MAX_SIBLINGS
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
 #: which this module does not import at start-up to keep ``--help`` fast).
@@ -82,14 +83,23 @@ SAMPLING_OPTIONS = [
                  help="Pipelined verification: send a proactive block before the "
                  "previous verdict (the cloud verifies it only if its assumed prefix "
                  "is confirmed). Needs --proactive other than off."),
-    click.option("--proactive-roots", type=click.IntRange(1, MAX_DRAFT_TOKENS),
+    click.option("--proactive-roots", type=click.IntRange(1, MAX_PROACTIVE_ROOTS),
                  default=1, show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
+    click.option("--siblings", type=click.IntRange(0, MAX_SIBLINGS), default=0,
+                 show_default=True, help="Greedy token trees: the draft's next-best "
+                 "tokens verified beside each draft position it is least sure of, in "
+                 "the same target pass (0: chains only)."),
     click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
                  "of the model draft."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--mode", type=click.Choice(["asym", "standard"]), default="asym",
                  show_default=True, help="asym: compact protocol; standard: baseline "
                  "uploading the full draft distribution."),
+    click.option("--acceptance", type=click.Choice(["exact", "semantic"]), default="exact",
+                 show_default=True, help="exact: the target's output; semantic: WISV's "
+                 "lossy acceptance (the server's decision head may accept a draft token "
+                 "the target would not have chosen; greedy only, the output is flagged "
+                 "not exact)."),
     click.option("--target-only", is_flag=True,
                  help="Generate with the target alone (the identity reference)."),
     click.option("--chat/--no-chat", default=True, show_default=True,
@@ -108,8 +118,12 @@ def sampling_options(f):
 
 def sampling_config(kw: dict):
     """The :class:`edge_sdk.SamplingConfig` of the parsed options (raises ValueError on
-    values it refuses)."""
+    values it refuses, click.BadParameter for ``--acceptance semantic`` with sampling)."""
     from edge_sdk import SamplingConfig
 
-    return SamplingConfig(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
-                          repetition_penalty=kw["repetition_penalty"])
+    cfg = SamplingConfig(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+                         repetition_penalty=kw["repetition_penalty"])
+    if kw.get("acceptance", "exact") == "semantic" and not cfg.greedy:
+        raise click.BadParameter("semantic acceptance needs greedy decoding "
+                                 "(--temperature 0)", param_hint="--acceptance")
+    return cfg

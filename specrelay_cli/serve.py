@@ -63,10 +63,48 @@ def _tls_context(tls_cert: str | None, tls_key: str | None):
     return ssl_ctx
 
 
+def check_wisv_options(head: str, strict: float | None, relaxed: float | None) -> None:
+    """Refuse bad ``--wisv-*`` values before any model loads (click.BadParameter)."""
+    from cloud_api.wisv.threshold import ThresholdPolicy
+
+    kw = {k: v for k, v in (("strict", strict), ("relaxed", relaxed)) if v is not None}
+    try:
+        ThresholdPolicy(**kw)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--wisv-strict/--wisv-relaxed") from None
+    low = head.strip().lower()
+    if low not in ("off", "auto") and not os.path.isfile(head):
+        raise click.BadParameter(f"no such head file: {head}", param_hint="--wisv-head")
+
+
+def semantic_setting(target, preset: str, wisv: dict):
+    """The server's :class:`cloud_api.wisv.serving.SemanticAcceptance` for the
+    ``--wisv-*`` options of a loaded ``target`` (None: off). Raises click.BadParameter
+    with the loader's one-line reason."""
+    from cloud_api.wisv.serving import semantic_for
+
+    try:
+        return semantic_for(wisv["head"], int(target.config.hidden_size), preset,
+                            strict=wisv["strict"], relaxed=wisv["relaxed"],
+                            max_per_block=wisv["max_per_block"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--wisv-head") from None
+
+
+def semantic_note(sem) -> str:
+    """The start-up line's WISV note ("" when off)."""
+    if sem is None:
+        return ""
+    p = sem.policy
+    return (f"; semantic acceptance (WISV, opt-in per session): threshold "
+            f"{p.strict:g}..{p.relaxed:g}, at most {sem.max_per_block} per block")
+
+
 def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
-                  metrics_address, unauth_rpm, early_exit) -> tuple:
+                  metrics_address, unauth_rpm, early_exit, wisv) -> tuple:
     """The single-server app (target loaded in this process): ``(app, the start-up
-    line's early-exit note)``. Raises click.BadParameter (--early-exit)."""
+    line's early-exit and WISV notes)``. Raises click.BadParameter (--early-exit,
+    --wisv-head)."""
     from cloud_api.app import create_app
     from cloud_api.exit_select import early_head_for
     from edge_sdk.models import load_model
@@ -76,21 +114,28 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
         head = early_head_for(target, tok, early_exit, model)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--early-exit") from None
+    sem = semantic_setting(target, model, wisv)
     app = create_app(target, tok, key_store=store, max_batch=max_batch,
                      max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
-                     unauth_per_window=unauth_rpm or None, early_head=head)
-    return app, (f"; early exit: layer {head.layer} ({head.name})" if head else "")
+                     unauth_per_window=unauth_rpm or None, early_head=head, semantic=sem)
+    return app, ((f"; early exit: layer {head.layer} ({head.name})" if head else "")
+                 + semantic_note(sem))
 
 
-def _build_app(replicas: int, ray_address: str | None, early_exit, kw: dict) -> tuple:
-    """``(app, where it verifies, early-exit note)``: the embedded server, or the
-    ingress over Ray replicas (``--replicas`` > 1 or ``--ray-address``)."""
+def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
+               kw: dict) -> tuple:
+    """``(app, where it verifies, early-exit and WISV note)``: the embedded server, or
+    the ingress over Ray replicas (``--replicas`` > 1 or ``--ray-address``; no semantic
+    acceptance there: an explicit ``--wisv-head PATH`` is refused)."""
     if replicas > 1 or ray_address:
+        if wisv["head"].strip().lower() not in ("off", "auto"):
+            raise click.BadParameter("semantic acceptance is single-server only "
+                                     "(--replicas 1)", param_hint="--wisv-head")
         from specrelay_cli.serve_ray import serve_replicated
 
         app, where = serve_replicated(replicas=replicas, ray_address=ray_address, **kw)
         return app, f" over {where}", ""
-    app, note = _embedded_app(early_exit=early_exit, **kw)
+    app, note = _embedded_app(early_exit=early_exit, wisv=wisv, **kw)
     return app, "", note
 
 
@@ -141,9 +186,24 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, kw: dict) -> 
               "`serve` ingress workers on one cluster share the replicas, the replay "
               "cache and the rate limits). Default with --replicas > 1: start a local "
               "cluster.")
+@click.option("--wisv-head", default="auto", show_default=True, metavar="PATH|auto|off",
+              help="WISV decision head for semantic (lossy) acceptance, which a session "
+              "must ask for (acceptance: semantic; greedy only): auto = the shipped head "
+              "of the target preset (cloud_api/assets/wisv/<preset>.safetensors) if "
+              "present, else off; PATH = a head file with its .json manifest; off = "
+              "semantic sessions are refused (422). Exact sessions never see the head.")
+@click.option("--wisv-strict", type=float, default=None,
+              help="Head-probability threshold on a good link (default 0.9).")
+@click.option("--wisv-relaxed", type=float, default=None,
+              help="Threshold on a bad link (default 0.5); the threshold moves from "
+              "strict to relaxed as the RTT + upload time the edge reports grows.")
+@click.option("--wisv-max-per-block", type=click.IntRange(min=1), default=2,
+              show_default=True, help="Most draft tokens of one block accepted "
+              "semantically.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
           insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host,
-          early_exit, replicas, ray_address):
+          early_exit, replicas, ray_address, wisv_head, wisv_strict, wisv_relaxed,
+          wisv_max_per_block):
     """Serve the signed verification API for a target model.
 
     \b
@@ -165,6 +225,7 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
     _check_ports(host, port, metrics_host, metrics_port)
+    check_wisv_options(wisv_head, wisv_strict, wisv_relaxed)
     import logging
 
     from aiohttp import web
@@ -180,7 +241,9 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     kw = {"model": model, "dtype": dtype, "threads": threads, "max_batch": max_batch,
           "max_wait_ms": max_wait_ms, "store": store, "unauth_rpm": unauth_rpm,
           "metrics_address": metrics_address}
-    app, where, note = _build_app(replicas, ray_address, early_exit, kw)
+    wisv = {"head": wisv_head, "strict": wisv_strict, "relaxed": wisv_relaxed,
+            "max_per_block": wisv_max_per_block}
+    app, where, note = _build_app(replicas, ray_address, early_exit, wisv, kw)
     metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if \
         metrics_port else ""
     click.echo(f"serving {model} ({resolve_dtype(dtype)}) on "

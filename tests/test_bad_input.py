@@ -222,7 +222,19 @@ CASES = [
     Case("greedy", "map-not-array", RAW(wire.pack({"session_id": 1})), 400, "body"),
     Case("greedy", "json-body", RAW(b'[1, 2, 3]'), 400, "body"),
     Case("greedy", "8-elements", ARR(lambda m: m[:8]), 400, "body"),
-    Case("greedy", "11-elements", ARR(lambda m: m + [None, None]), 400, "body"),
+    Case("greedy", "13-elements", ARR(lambda m: m + [None, None, None, None]), 400, "body"),
+    # the alts element (sibling trees): malformed, or in a sampling session
+    Case("greedy", "alts-not-a-list", ARR(lambda m: m + [None, None, 7]), 400, "alts"),
+    Case("greedy", "alts-position-past-block",
+         ARR(lambda m: m + [None, None, [1, b"\x09", b"\x01\x00"]]), 400, "alts"),
+    Case("sampled", "alts-sampling-session",
+         ARR(lambda m: m + [None, None, [1, b"\x00", b"\x07\x00"]]), 422, "alts"),
+    # the channel element (WISV): malformed, or sent by an exact session
+    Case("greedy", "channel-short", ARR(lambda m: m + [None, [0.1, 1e6]]), 400, "channel"),
+    Case("greedy", "channel-nan", ARR(lambda m: m + [None, [float("nan"), 1e6, 0.1]]),
+         400, "channel"),
+    Case("greedy", "channel-exact-session", ARR(lambda m: m + [None, [0.1, 1e6, 0.1]]),
+         422, "channel"),
     Case("greedy", "expect-last-str", ARR(lambda m: m + ["7"]), 400, "expect_last"),
     Case("greedy", "expect-last-oov", ARR(lambda m: m + [1 << 40]), 400, "expect_last"),
     Case("greedy", "expect-last-wrong",
@@ -243,7 +255,7 @@ CASES = [
     *[Case("greedy", f"tokens={n}", M(TOK, v), 400, "tokens")
       for n, v in (("list", [9, 10]), ("str", "ab"), ("int", 9), ("odd-bytes", b"\x01"),
                    ("id-64", tb([9, V])), ("id-65535", tb([65535])),
-                   ("9-drafts", tb([9] * 9)), ("100-drafts", tb([9] * 100)))],
+                   ("17-drafts", tb([9] * 17)), ("100-drafts", tb([9] * 100)))],
     Case("greedy", "q_full-garbage", M(QF, b"\x00"), 400, "q_full"),
     Case("greedy", "q-odd-bytes", M(Q, b"\x00" * 7), 400, "q"),
     # --- well-formed but inconsistent with the session
@@ -287,7 +299,7 @@ CASES = [
     Case("sampled", "pending-missing", M(PEND, None), 422, "pending_commit"),
     Case("sampled", "pending-zero-p", M(PEND, lambda c: c.zero_p), 422, "pending_commit"),
     Case("sampled", "pending-out-of-vocab", M(PEND, V + 3), 400, "pending_commit"),
-    Case("sampled", "9-drafts", ARR(lambda m: m[:TOK] + [tb([9] * 9), fb([0.5] * 9), None]),
+    Case("sampled", "17-drafts", ARR(lambda m: m[:TOK] + [tb([9] * 17), fb([0.5] * 17), None]),
          400, "tokens"),
     Case("sampled", "stale-base", M(BASE, lambda c: c.base - 1), 409, "base_len"),
     Case("sampled", "greedy-config", M(CID, GREEDY.config_id), 409, "config_id"),

@@ -3,14 +3,16 @@
 
 * ``specrelay`` — fixed depth ``--depth``, stop-and-wait;
 * ``sr-ahead`` — the same with IPDG (RAPID's interruptible proactive drafting) and blocks
-  sent ahead (``send_ahead``): the cloud verifies back to back on proactive hits.
+  sent ahead (``send_ahead``): the cloud verifies back to back on proactive hits;
+* ``sr-tree`` — ``sr-ahead`` with greedy sibling trees (``--siblings`` width, 2 by
+  default: the draft's next-best tokens beside the positions it is least sure of).
 """
 from __future__ import annotations
 
 from bench.modes.edge_rounds import EdgeClientMode
 from bench.modes.registry import register_mode
 
-__all__ = ["SpecRelayMode", "SpecRelayAheadMode"]
+__all__ = ["SpecRelayMode", "SpecRelayAheadMode", "SpecRelayTreeMode"]
 
 
 @register_mode
@@ -32,3 +34,16 @@ class SpecRelayAheadMode(EdgeClientMode):
     description = "specrelay + IPDG + blocks sent ahead (pipelined verification)"
     client_mode = "asym"
     client_kw = {"proactive": "ipdg", "send_ahead": True}
+
+
+@register_mode
+class SpecRelayTreeMode(EdgeClientMode):
+    """``sr-ahead`` plus greedy sibling trees (SpecInfer §4 token-tree verification;
+    Sequoia §3: extra rows where the draft is least sure): a rejection whose target
+    token was one of the draft's next-best commits it and its bonus token. Width from
+    ``--siblings`` (2 when unset); sampling runs are chains."""
+
+    name = "sr-tree"
+    description = "sr-ahead + greedy sibling trees (draft's next-best tokens)"
+    client_mode = "asym"
+    client_kw = {"proactive": "ipdg", "send_ahead": True, "siblings": 2}

@@ -219,4 +219,6 @@ def aggregate(per_request_metrics: Sequence[dict]) -> dict:
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "rounds": tot("rounds"),
+        "sibling_hits": int(tot("sibling_hits")),
+        "sibling_rows": int(tot("sibling_rows")),
     }

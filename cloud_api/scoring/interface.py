@@ -30,6 +30,10 @@ class VerifierBackend(Protocol):
         """A new session (prefill or admission). Returns seconds. Raises ApiError
         (e.g. 422: a sampling config this backend cannot verify exactly)."""
 
+    def check_acceptance(self, acceptance: str, cfg) -> None:
+        """May a session be created with ``acceptance`` (``exact``/``semantic``) and
+        sampling config ``cfg``? Raises ApiError 422 (field ``acceptance``)."""
+
     def check(self, s: Session, req: VerifyRequest) -> None:
         """State checks before any charge or mutation. Raises ApiError (409/422)."""
 

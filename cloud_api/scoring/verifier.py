@@ -38,6 +38,8 @@ class ScoringVerifier(Verifier):
             near-tie gap reported for greedy tokens, ``sampling.NEAR_TIE_GAP``).
     """
 
+    supports_trees = False     # scores come per position, not per tree row
+
     def __init__(self, scorer, vocab_size: int, max_context: int,
                  max_block: int = MAX_DRAFT_TOKENS, dtype: str = "bfloat16"):
         self.scorer, self.model = scorer, None
@@ -49,6 +51,15 @@ class ScoringVerifier(Verifier):
         self.early_head, self.on_early_outcome, self._early = None, None, None
         self.early_frames = self.early_hits = 0
         self._provisional: dict = {}
+        self.semantic, self.semantic_accepted = None, 0
+
+    def check_acceptance(self, acceptance: str, cfg) -> None:
+        """Semantic acceptance (WISV) reads the target's hidden states, which an
+        engine's scores do not carry. Raises ApiError 422 ``semantic_unavailable``."""
+        if acceptance == "semantic":
+            raise ApiError(422, "semantic_unavailable", "semantic acceptance needs the "
+                           "target's hidden states: this server verifies through a "
+                           "scoring engine", "acceptance")
 
     def open(self, s: Session) -> float:
         """Admit a session. Raises ApiError 422 ``not_exact_on_backend``."""

@@ -10,12 +10,12 @@ Units: seconds for times, tokens for depths and counts.
 
 from __future__ import annotations
 
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+from edge_sdk.protocol.limits import CONTROLLER_MAX_DEPTH
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
-L_MAX = MAX_DRAFT_TOKENS   # RAPID: the draft depth L in [1, L_max]
+L_MAX = CONTROLLER_MAX_DEPTH   # RAPID: the draft depth L in [1, L_max]
 
 
 @dataclass

@@ -15,6 +15,20 @@ from typing import Sequence
 import torch
 
 from edge_sdk.protocol.sampling import SamplingConfig, sample_next
+from edge_sdk.protocol.tree import MAX_SIBLINGS
+
+CANDIDATES = MAX_SIBLINGS
+"""Next-best draft tokens recorded per greedy position (possible tree siblings)."""
+
+
+def candidates(logits: torch.Tensor, chosen: int) -> tuple[list[int], float]:
+    """The :data:`CANDIDATES` best ids of ``logits`` [V] other than ``chosen`` (best
+    first, finite only) and the softmax probability of ``chosen``."""
+    top = torch.topk(logits, CANDIDATES + 1)
+    ids = [int(t) for t, v in zip(top.indices, top.values)
+           if int(t) != chosen and bool(torch.isfinite(v))][:CANDIDATES]
+    conf = float(torch.exp(logits[chosen].float() - torch.logsumexp(logits.float(), -1)))
+    return ids, conf
 
 
 @dataclass
@@ -30,6 +44,11 @@ class DraftBlock:
     q_tok: torch.Tensor
     q: torch.Tensor | None
     draft_s: float = 0.0
+    #: greedy only: per position the draft's next-best ids after ``tokens[i]`` (best
+    #: first, :data:`CANDIDATES` of them) and the draft's probability of ``tokens[i]``;
+    #: a sibling policy picks tree siblings from them (:mod:`edge_sdk.control.siblings`)
+    cands: list[list[int]] | None = None
+    conf: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -71,16 +90,22 @@ class Drafter(ABC):
         t0 = time.perf_counter()
         logits = self.sync(context)
         seen = list(context)
-        tokens, q_tok, q_rows = [], [], []
+        tokens, q_tok, q_rows, cands, conf = [], [], [], [], []
         for i in range(depth):
             d, q = sample_next(logits, cfg, seen, generator)
             tokens.append(d)
             q_tok.append(1.0 if q is None else float(q[d]))
             if q is not None:
                 q_rows.append(q)
+            elif cfg.greedy:
+                ids, c = candidates(logits, d)
+                cands.append(ids)
+                conf.append(c)
             seen.append(d)
             if i + 1 < depth:
                 logits = self.step(d)
         q_full = torch.stack(q_rows) if q_rows else None
+        greedy = cfg.greedy and len(cands) == depth
         return DraftBlock(tokens, torch.tensor(q_tok, dtype=torch.float64), q_full,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, cands if greedy else None,
+                          conf if greedy else None)

@@ -199,9 +199,9 @@ class CatsDecoder:
         P, k, m = len(ids) - 1, len(drafts), len(sibs)
         pos, mask = resident_mask(P, k, m)
         hs.append(self.t.run_layers(self.t.embed(sibs), 0, self.E, pos, mask))
-        pos, mask = full_inputs(P, k, m)
+        pos, mask, tree = full_inputs(P, drafts, sibs)
         h = self.t.run_layers(torch.cat(hs, 1), self.E, self.t.num_layers, pos, mask)
-        new, a, j = greedy_tree_verdict(self.t.logits(h), drafts, sibs)
+        new, a, j = greedy_tree_verdict(self.t.logits(h), drafts, tree)
         if j is None:
             self.t.crop(P + 1 + a)
         else:

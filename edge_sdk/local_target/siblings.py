@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from edge_sdk.protocol import sampling as S
+from edge_sdk.protocol import tree as TR
 
 __all__ = ["sibling_ids", "resident_mask", "full_inputs", "greedy_tree_verdict"]
 
@@ -38,33 +39,29 @@ def resident_mask(P: int, k: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((1, m), P + 1, dtype=torch.long), mask[None, None]
 
 
-def full_inputs(P: int, k: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions long [1, k+1+m] and mask bool [1, 1, k+1+m, P+k+1+m] of the full pass
-    over ``[last, d_1..d_k, s_1..s_m]`` (the layers' caches hold the prefix)."""
-    q = k + 1 + m
-    mask = torch.zeros(q, P + q, dtype=torch.bool)
-    mask[:, :P] = True
-    mask[: k + 1, P: P + k + 1] = torch.ones(k + 1, k + 1, dtype=torch.bool).tril()
-    mask[k + 1:, P] = True
-    mask[k + 1:, P + k + 1:] = torch.eye(m, dtype=torch.bool)
-    pos = torch.tensor([list(range(P, P + k + 1)) + [P + 1] * m])
-    return pos, mask[None, None]
+def full_inputs(P: int, drafts: list[int], sibs: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, TR.TreeLayout]:
+    """Positions long [1, k+1+m], mask bool [1, 1, k+1+m, P+k+1+m] and the tree layout
+    of the full pass over ``[last, d_1..d_k, s_1..s_m]`` (the layers' caches hold the
+    prefix): the shared sibling tree (:mod:`edge_sdk.protocol.tree`) with the siblings
+    at the first draft position."""
+    k = len(drafts)
+    tree = TR.layout(k, [list(sibs)] + [[] for _ in range(k - 1)])
+    mask = torch.ones(tree.rows, P + tree.rows, dtype=torch.bool)
+    mask[:, P:] = tree.attn
+    return (P + tree.offsets)[None], mask[None, None], tree
 
 
-def greedy_tree_verdict(logits: torch.Tensor, drafts: list[int], sibs: list[int]
+def greedy_tree_verdict(logits: torch.Tensor, drafts: list[int], tree: TR.TreeLayout
                         ) -> tuple[list[int], int, int | None]:
     """The greedy verdict over ``logits`` float32 [k+1+m, V] (rows: after last, after
-    each chain prefix, after each sibling). Returns ``(new tokens, accepted drafts,
-    index of the accepted sibling or None)``; every new token is the target's argmax
-    at its position (ties to the lowest id). A sibling hit accepts no chain draft:
-    acceptance statistics count the chain; hits are counted apart (CASES.md 10)."""
-    k = len(drafts)
-    best = S.greedy_token(logits)
-    t1 = int(best[0])
-    if k and t1 == drafts[0]:
-        a, nxt = S.greedy_verify(torch.tensor(drafts, dtype=torch.long), logits[: k + 1])
-        return drafts[:a] + [nxt], a, None
-    if t1 in sibs:
-        j = sibs.index(t1)
-        return [t1, int(best[k + 1 + j])], 0, j      # no chain draft accepted
-    return [t1], 0, None
+    each chain prefix, after each sibling) by the shared tree rule
+    (:func:`edge_sdk.protocol.tree.tree_verdict`). Returns ``(new tokens, accepted
+    drafts, index of the accepted sibling or None)``; every new token is the target's
+    argmax at its position (ties to the lowest id). A sibling hit accepts no chain
+    draft: acceptance statistics count the chain; hits are counted apart (CASES.md 10)."""
+    a, sib, nxt = TR.tree_verdict(S.greedy_token(logits), drafts, tree)
+    if sib is None:
+        return list(drafts[:a]) + [nxt], a, None
+    j = TR.sibling_row(tree, a, sib) - (len(drafts) + 1)
+    return list(drafts[:a]) + [sib, nxt], a, j

@@ -33,7 +33,13 @@ Extension fields (ignored by OpenAI clients, readable e.g. as
   cloud was unreachable.
 * ``choices[i].verified_tokens`` / ``unverified_tokens`` (non-streaming responses).
 * ``specrelay`` (top level, non-streaming and the final stream chunk): acceptance rate,
-  TPOT, target passes per token of the request.
+  TPOT, target passes per token of the request, and WISV's flags: ``acceptance``
+  (``exact``/``semantic``), ``semantic_accepted_tokens`` and ``exact`` (``false`` when
+  the output is not exactly the target's).
+* request field ``acceptance``: ``"exact"`` or ``"semantic"`` (WISV's lossy semantic
+  acceptance, greedy requests only; the cloud needs a decision head loaded). Absent:
+  the endpoint's default (``edge-serve --acceptance``, exact unless set; a semantic
+  default applies to greedy requests only).
 
 Chat prompts: the tokenizer's chat template when it has one (``add_generation_prompt``);
 a tokenizer without a template (e.g. the tiny test tokenizers) gets the fallback

@@ -21,7 +21,7 @@ CHAT_ROLES = {"system", "developer", "user", "assistant"}
 
 # fields a request may carry; value = the neutral values accepted for unimplemented ones
 _COMMON = {"model", "temperature", "top_p", "max_tokens", "stop", "seed", "n", "stream",
-           "stream_options", "user"}
+           "stream_options", "user", "acceptance"}
 _NEUTRAL = {
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
@@ -65,6 +65,7 @@ class OpenAIRequest:
     seed: int = 0
     stream: bool = False
     include_usage: bool = False
+    acceptance: str | None = None    # exact | semantic (WISV); None: the server's default
 
 
 def _is_num(v) -> bool:
@@ -162,6 +163,20 @@ def _streaming(body: dict) -> tuple[bool, bool]:
     return bool(stream), include_usage
 
 
+def _acceptance(body: dict, sampling: SamplingConfig) -> str | None:
+    """``acceptance`` (specrelay extension): ``exact``, ``semantic`` (WISV, lossy;
+    greedy requests only) or absent (None: the endpoint's default)."""
+    v = body.get("acceptance")
+    if v is None:
+        return None
+    if v not in ("exact", "semantic"):
+        raise BadRequest("acceptance must be 'exact' or 'semantic'", "acceptance")
+    if v == "semantic" and not sampling.greedy:
+        raise BadRequest("acceptance 'semantic' needs greedy decoding (temperature 0)",
+                         "acceptance")
+    return v
+
+
 def _check_strings(body: dict, names: tuple[str, ...] = ("user", "model")) -> None:
     for name in names:
         v = body.get(name)
@@ -181,7 +196,7 @@ def _common(body: dict, prompt_ids: list[int], kind: str, default_max: int,
     _check_strings(body)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     return OpenAIRequest(kind, prompt_ids, sampling, max_tokens, stop, seed, stream,
-                         include_usage)
+                         include_usage, _acceptance(body, sampling))
 
 
 def _content_text(content, i: int) -> str:

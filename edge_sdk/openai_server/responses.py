@@ -44,10 +44,16 @@ def usage(req: OpenAIRequest, res: GenerationResult) -> dict:
 
 def extension(res: GenerationResult) -> dict:
     """The ``specrelay`` field: acceptance rate, mean accepted length, TTFT/TPOT
-    (seconds) and target passes per token of the request."""
+    (seconds) and target passes per token of the request, its ``acceptance``
+    (``exact``/``semantic``), ``semantic_accepted_tokens`` and ``exact`` (False when the
+    output is not exactly the target's: semantic acceptances, WISV, or draft-only
+    tokens)."""
     m = res.metrics
-    return {k: m.get(k) for k in ("acceptance_rate", "mean_accepted_length", "ttft_s",
-                                  "tpot_s", "target_passes_per_token")}
+    out = {k: m.get(k) for k in ("acceptance_rate", "mean_accepted_length", "ttft_s",
+                                 "tpot_s", "target_passes_per_token")}
+    out.update(acceptance=res.acceptance, semantic_accepted_tokens=res.semantic_accepted_tokens,
+               exact=res.exact_target_output)
+    return out
 
 
 class Run:
@@ -55,8 +61,12 @@ class Run:
     and unverified (draft-only, cloud unreachable) tokens."""
 
     def __init__(self, client: EdgeClient, req: OpenAIRequest):
+        acceptance = req.acceptance
+        if acceptance is None and not req.sampling.greedy:
+            acceptance = "exact"     # a semantic default applies to greedy requests only
         self.gen = client.stream(prompt_ids=req.prompt_ids, sampling=req.sampling,
-                                 max_new_tokens=req.max_tokens, stop=req.stop, seed=req.seed)
+                                 max_new_tokens=req.max_tokens, stop=req.stop, seed=req.seed,
+                                 acceptance=acceptance)
         self.it = self.gen.__aiter__()
         self.verified = self.unverified = 0
 

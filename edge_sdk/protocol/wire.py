@@ -10,17 +10,36 @@ Verify request (edge -> cloud), per block of depth g:
      tokens: bin (g ids, little-endian uint16 if V <= 65536 else uint32),
      q: bin (g float64, q_i(d_i)) | nil (greedy),
      q_full: bin (g*V float64, the "standard" baseline only) | nil,
-     expect_last: int | nil]            (optional 10th element; absent = nil)
+     expect_last: int | nil,            (optional 10th element; absent = nil)
+     channel: [rtt_s, uplink_bps, round_s] | nil,   (optional 11th element; absent = nil)
+     alts: [m, positions: bin uint8 (n), ids: bin (n*m ids, token dtype)] | nil]
+    ``alts`` (greedy, exact sessions only; optional 12th element) adds a sibling tree:
+    at each listed draft position i the draft's m next-best tokens, alternatives to
+    ``tokens[i]`` verified in the same pass (:mod:`edge_sdk.protocol.tree`).
     ``expect_last`` marks a block sent *ahead*: drafted from the assumed outcome of the
     previous block, which is still being verified (all of it accepted and this token as
     its bonus). The cloud verifies it only if its confirmed prefix then ends with
     ``expect_last`` at ``base_len``; otherwise it answers 409 ``stale_block`` and
     changes nothing.
+    ``channel`` is the edge's link state, sent by sessions created with
+    ``acceptance: "semantic"`` only (WISV §III-C: the cloud's acceptance threshold
+    relaxes as the link worsens): three floats, the round-trip time in seconds
+    [0, 60], the uplink rate in bits per second [1, 1e12] and the mean wall time of
+    the edge's recent rounds in seconds [0, 3600]. An exact session's blocks never
+    carry it (the cloud refuses one that does: 422, field ``channel``).
 Verify response (cloud -> edge):
     [MSG_VERIFY_OK, block_seq, accepted, next_token|nil, correction|nil, base_len,
-     target_s]
+     target_s, near_ties, semantic, sibling]   (near_ties: optional 8th element,
+                                               semantic: optional 9th, present for
+                                               semantic sessions only, else nil when a
+                                               sibling follows; sibling: optional 10th)
     next_token is a bonus token or a cloud-drawn correction, already committed by the
-    cloud; ``base_len`` is the cloud's confirmed length after this block. A correction
+    cloud; ``sibling`` is the tree sibling accepted at position ``accepted`` (then
+    ``next_token`` is the bonus after it); ``base_len`` is the cloud's confirmed length after this block. ``near_ties``
+    lists the offsets (0 = first accepted draft) of committed greedy tokens chosen at a
+    near-tie; ``semantic`` (WISV) the offsets of the accepted drafts that differ from
+    the target's argmax and were accepted by the decision head: their count is the
+    block's ``semantic_accepted_tokens``, and each offset is < ``accepted``. A correction
     (first rejection, sampling, compact mode) is
     [complete, support_ids: bin uint32, support_p: bin float64,
      proposal_ids: bin uint32, proposal_p: bin float64]
@@ -126,6 +145,9 @@ class VerifyRequest:
     q_tok: np.ndarray | None      # float64 [g]
     q_full: np.ndarray | None     # float64 [g, V]
     expect_last: int | None = None    # sent ahead: the assumed bonus of the prior block
+    #: semantic sessions only: (rtt_s seconds, uplink_bps bits/s, round_s seconds)
+    channel: tuple | None = None
+    alts: list[list[int]] | None = None   # [g] lists: siblings per draft position
 
     def encode(self, vocab_size: int) -> bytes:
         dt = token_dtype(vocab_size)
@@ -136,16 +158,19 @@ class VerifyRequest:
              else np.asarray(self.q_tok, dtype="<f8").tobytes(),
              None if self.q_full is None
              else np.ascontiguousarray(self.q_full, dtype="<f8").tobytes()]
-        if self.expect_last is not None:
-            m.append(int(self.expect_last))
-        return pack(m)
+        tail = [None if self.expect_last is None else int(self.expect_last),
+                None if self.channel is None else [float(x) for x in self.channel],
+                _alts_to_wire(self.alts, dt)]
+        while tail and tail[-1] is None:
+            tail.pop()
+        return pack(m + tail)
 
     @classmethod
     def decode(cls, body: bytes, vocab_size: int, max_block: int) -> "VerifyRequest":
         """Parse and validate. Raises WireError naming the field."""
         m = unpack(body)
-        if not isinstance(m, list) or len(m) not in (9, 10):
-            raise WireError("body", "verify request must be a 9- or 10-element array")
+        if not isinstance(m, list) or not 9 <= len(m) <= 12:
+            raise WireError("body", "verify request must be a 9- to 12-element array")
         if m[0] != MSG_VERIFY:
             raise WireError("type", f"expected message type {MSG_VERIFY}")
         sid = _int(m[1], "session_id")
@@ -169,7 +194,65 @@ class VerifyRequest:
                   else _int(m[9], "expect_last", 0, vocab_size - 1))
         if expect is not None and pend is not None:
             raise WireError("expect_last", "a block sent ahead cannot carry pending_commit")
-        return cls(sid, seq, base, cfg, pend, toks.astype(np.int64), q, qf, expect)
+        chan = None if len(m) < 11 or m[10] is None else decode_channel(m[10])
+        alts = (None if len(m) < 12 or m[11] is None
+                else _alts_from_wire(m[11], toks, vocab_size))
+        return cls(sid, seq, base, cfg, pend, toks.astype(np.int64), q, qf, expect, chan,
+                   alts)
+
+
+CHANNEL_RANGES = (("rtt_s", 0.0, 60.0), ("uplink_bps", 1.0, 1e12), ("round_s", 0.0, 3600.0))
+"""The channel element's fields, in order, with their accepted ranges (seconds, bits
+per second, seconds)."""
+
+
+def decode_channel(v) -> tuple[float, float, float]:
+    """Validate a verify request's ``channel`` element ``[rtt_s, uplink_bps, round_s]``
+    (finite floats in :data:`CHANNEL_RANGES`). Raises WireError('channel', ...)."""
+    if not isinstance(v, list) or len(v) != len(CHANNEL_RANGES):
+        raise WireError("channel", "expected [rtt_s, uplink_bps, round_s]")
+    for x, (name, lo, hi) in zip(v, CHANNEL_RANGES):
+        if not isinstance(x, float) or not math.isfinite(x) or not lo <= x <= hi:
+            raise WireError("channel", f"{name} must be a finite float in [{lo:g}, {hi:g}]")
+    return tuple(v)
+
+
+def _alts_to_wire(alts, dt) -> list | None:
+    """``[m, positions, ids]`` of per-position sibling lists (None: no siblings).
+    Raises ValueError when the non-empty lists differ in length."""
+    if not alts or not any(alts):
+        return None
+    pos = [i for i, a in enumerate(alts) if a]
+    ms = {len(alts[i]) for i in pos}
+    if len(ms) != 1:
+        raise ValueError("every position with siblings needs the same number")
+    return [ms.pop(), np.asarray(pos, dtype="<u1").tobytes(),
+            np.asarray([t for i in pos for t in alts[i]], dtype=dt).tobytes()]
+
+
+def _alts_from_wire(v, toks: np.ndarray, vocab_size: int) -> list[list[int]]:
+    """Validate ``[m, positions, ids]`` against the block ``toks`` [g]. Returns [g]
+    lists. Raises WireError('alts', ...)."""
+    from edge_sdk.protocol.tree import MAX_SIBLINGS
+
+    if not isinstance(v, list) or len(v) != 3:
+        raise WireError("alts", "expected [m, positions, ids]")
+    m = _int(v[0], "alts", 1, MAX_SIBLINGS)
+    pos = _bin(v[1], "alts", "<u1").astype(np.int64)
+    ids = _bin(v[2], "alts", token_dtype(vocab_size), pos.size * m).astype(np.int64)
+    g = toks.size
+    if pos.size == 0 or (pos >= g).any() or (np.diff(pos) <= 0).any():
+        raise WireError("alts", f"positions must be increasing draft indices < {g}")
+    if (ids >= vocab_size).any():
+        raise WireError("alts", f"token id out of vocabulary (size {vocab_size})")
+    out: list[list[int]] = [[] for _ in range(g)]
+    for k, i in enumerate(pos):
+        row = [int(t) for t in ids[k * m:(k + 1) * m]]
+        if len(set(row)) != m or int(toks[i]) in row:
+            raise WireError("alts", f"siblings at position {i} must be distinct and "
+                            "differ from the draft token")
+        out[i] = row
+    return out
 
 
 @dataclass
@@ -217,11 +300,34 @@ class VerifyResponse:
     #: top-2 logit gap was below the dtype's near-tie gap (``sampling.NEAR_TIE_GAP``):
     #: there a pass of another shape may pick another argmax. Greedy sessions only.
     near_ties: tuple = ()
+    #: WISV, semantic sessions only (None for exact ones): offsets (0 = first accepted
+    #: draft, each < ``accepted``) of the drafts accepted semantically, i.e. differing
+    #: from the target's argmax and accepted by the decision head.
+    semantic: tuple | None = None
+
+    @property
+    def semantic_accepted(self) -> int:
+        """Tokens of this block accepted semantically (0 for exact sessions)."""
+        return len(self.semantic or ())
+    #: the tree sibling accepted at position ``accepted`` (then ``next_token`` is
+    #: the bonus after it), or None
+    sibling: int | None = None
 
     def encode(self) -> bytes:
-        return pack([MSG_VERIFY_OK, self.block_seq, self.accepted, self.next_token,
-                     None if self.correction is None else self.correction.to_wire(),
-                     self.base_len, float(self.target_s), [int(i) for i in self.near_ties]])
+        m = [MSG_VERIFY_OK, self.block_seq, self.accepted, self.next_token,
+             None if self.correction is None else self.correction.to_wire(),
+             self.base_len, float(self.target_s), [int(i) for i in self.near_ties]]
+        if self.semantic is not None or self.sibling is not None:
+            m.append(None if self.semantic is None else [int(i) for i in self.semantic])
+        if self.sibling is not None:
+            m.append(int(self.sibling))
+        return pack(m)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens the verdict commits on the cloud (accepted drafts, the sibling, the
+        next token; not an edge-drawn correction)."""
+        return self.accepted + (self.sibling is not None) + (self.next_token is not None)
 
     @classmethod
     def decode(cls, body: bytes) -> "VerifyResponse":
@@ -230,9 +336,10 @@ class VerifyResponse:
     @classmethod
     def from_list(cls, m) -> "VerifyResponse":
         """Validate an unpacked response array. Raises WireError naming the field."""
-        if not isinstance(m, list) or len(m) not in (7, 8) or m[0] != MSG_VERIFY_OK:
+        if not isinstance(m, list) or not 7 <= len(m) <= 10 or m[0] != MSG_VERIFY_OK:
             raise WireError("body", "not a verify response")
-        ties = m[7] if len(m) == 8 else []
+        ties = m[7] if len(m) >= 8 else []
+        sib = None if len(m) < 10 or m[9] is None else _int(m[9], "sibling")
         if not isinstance(ties, list) or len(ties) > 4096:
             raise WireError("near_ties", "expected a list of offsets")
         ties = tuple(_int(i, "near_ties", 0, 4096) for i in ties)
@@ -243,8 +350,19 @@ class VerifyResponse:
         t = m[6]
         if not isinstance(t, float) or not math.isfinite(t):
             raise WireError("target_s", "expected a float")
-        return cls(_int(m[1], "block_seq"), _int(m[2], "accepted"), nxt, corr,
-                   _int(m[5], "base_len"), t, ties)
+        acc = _int(m[2], "accepted")
+        sem = None
+        if len(m) >= 9 and m[8] is not None:
+            if not isinstance(m[8], list) or len(m[8]) > 4096:
+                raise WireError("semantic", "expected a list of offsets")
+            sem = tuple(_int(i, "semantic", 0, 4096) for i in m[8])
+            if any(i >= acc for i in sem) or list(sem) != sorted(set(sem)):
+                raise WireError("semantic", "offsets must be distinct, increasing and "
+                                "below accepted")
+        if sib is not None and nxt is None:
+            raise WireError("sibling", "a sibling comes with its bonus next_token")
+        return cls(_int(m[1], "block_seq"), acc, nxt, corr,
+                   _int(m[5], "base_len"), t, ties, sem, sib)
 
 
 # ----------------------------------------------------------------------------- correction
@@ -293,7 +411,11 @@ class CorrectionResponse:
 
 SESSION_FIELDS = {"prompt", "prompt_ids", "chat", "sampling", "seed", "max_new_tokens",
                   "vocab_size", "tokenizer_hash", "mode", "support_k", "n_proposals",
-                  "request_id"}
+                  "request_id", "acceptance"}
+ACCEPTANCE = ("exact", "semantic")
+"""Session ``acceptance`` values: ``exact`` (default: the target's output, greedy token
+for token, sampling in distribution) or ``semantic`` (WISV, lossy: a decision head may
+accept a draft token the target would not have chosen; greedy configs only)."""
 MAX_REQUEST_ID = 64
 """Longest ``request_id`` of a create request (characters)."""
 
@@ -344,4 +466,8 @@ def decode_session_request(m: dict, vocab_size: int, max_context: int) -> dict:
     if rid is not None and (not isinstance(rid, str) or not 1 <= len(rid) <= MAX_REQUEST_ID):
         raise WireError("request_id", f"expected a string of 1..{MAX_REQUEST_ID} characters")
     out["request_id"] = rid
+    acc = m.get("acceptance", "exact")
+    if acc not in ACCEPTANCE:
+        raise WireError("acceptance", "expected 'exact' or 'semantic'")
+    out["acceptance"] = acc
     return out

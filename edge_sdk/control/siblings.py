@@ -1,0 +1,54 @@
+"""Sibling policy: which greedy draft positions get tree siblings, and how many
+(Sequoia, Chen et al. 2024, §3: spend a tree's extra rows where the draft is least
+sure; SpecInfer, Miao et al. 2024, §4 verifies them in the same target pass).
+
+Policy only: the candidates and the draft's confidence come with the block
+(:class:`edge_sdk.drafters.base.DraftBlock` ``cands`` / ``conf``); the tree rows and
+the verdict are :mod:`edge_sdk.protocol.tree`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge_sdk.drafters.base import DraftBlock
+from edge_sdk.protocol.tree import MAX_SIBLINGS
+
+__all__ = ["SiblingPolicy"]
+
+
+@dataclass(frozen=True)
+class SiblingPolicy:
+    """Give ``width`` siblings to each draft position whose draft probability of its
+    own token is below ``below``, least sure first, while the pass stays within
+    ``max_rows`` rows (1 + g + siblings; the server's ``max_tree_rows`` also caps it).
+
+    Raises ValueError on a width outside 1..MAX_SIBLINGS or a bad threshold."""
+
+    width: int = 2
+    below: float = 0.8
+    max_rows: int = 32
+
+    def __post_init__(self):
+        if not 1 <= self.width <= MAX_SIBLINGS:
+            raise ValueError(f"sibling width must be in 1..{MAX_SIBLINGS}")
+        if not 0.0 < self.below <= 1.0:
+            raise ValueError("sibling threshold must be in (0, 1]")
+
+    def choose(self, block: DraftBlock | None, server_rows: int) -> list[list[int]] | None:
+        """Siblings per draft position of ``block`` ([g] lists, empty where none), or
+        None: no siblings (no greedy candidates, nobody below the threshold, or a
+        server without trees: ``server_rows`` 0)."""
+        if block is None or block.cands is None or not server_rows or not len(block):
+            return None
+        g, m = len(block), self.width
+        budget = min(self.max_rows, server_rows) - (1 + g)
+        order = sorted((c, i) for i, c in enumerate(block.conf)
+                       if c < self.below and len(block.cands[i]) >= m)
+        alts: list[list[int]] = [[] for _ in range(g)]
+        for _, i in order:
+            if budget < m:
+                break
+            alts[i] = list(block.cands[i][:m])
+            budget -= m
+        return alts if any(alts) else None
