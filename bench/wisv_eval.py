@@ -31,7 +31,8 @@ from typing import Callable, Sequence
 
 __all__ = ["STOP_SEQUENCES", "EXACT", "SEMANTIC", "EvalConfig", "truncate_completion",
            "execute_completions", "pass_at_1", "paired_stats", "mcnemar_exact",
-           "paired_bootstrap_ci", "summarize", "run_eval", "plot_eval", "print_report"]
+           "paired_bootstrap_ci", "summarize", "run_eval", "rebuild_report", "plot_eval",
+           "print_report"]
 
 EXACT, SEMANTIC = "specrelay", "wisv"
 """The bench modes compared: exact (token-for-token) and semantic acceptance."""
@@ -156,7 +157,7 @@ class EvalConfig:
     quick: bool = False
 
     QUICK = {"profiles": ["cellular-edge"], "n_code": 40, "n_chat": 4,
-             "max_new_tokens": 160, "chat_tokens": 48}
+             "max_new_tokens": 192, "chat_tokens": 48}
 
     @classmethod
     def preset(cls, quick: bool, profiles: str | None = None, **kw) -> "EvalConfig":
@@ -207,6 +208,7 @@ def _mode_block(recs: list[dict], run_metrics: dict | None) -> dict:
     rm = run_metrics or {}
     return {"requests": len(recs), "committed_tokens": int(committed),
             "rounds": int(rounds),
+            "rounds_per_100_tokens": round(100 * rounds / committed, 2) if committed else None,
             "accepted_length": rm.get("mean_accepted_length",
                                       committed / rounds if rounds else None),
             "acceptance_rate": rm.get("acceptance_rate"),
@@ -233,7 +235,11 @@ def summarize(records: list[dict], runs: list[dict], passed: dict, profiles: Seq
               seed: int = 0) -> dict:
     """The report from the bench's request records and runs and the execution results
     ``passed[(mode, profile, prompt_id)] -> bool``. ``summary`` (the printed JSON)
-    holds the first profile's figures (``profile``) with ``by_profile`` for all."""
+    holds the first profile's figures (``profile``) with ``by_profile`` for all.
+
+    ``rounds_*`` are totals over the problems; the two modes' outputs differ in length
+    (semantic acceptance changes where a completion stops), so ``rounds_per_100_tokens``
+    and ``accepted_length`` (committed tokens per round) are the per-token comparison."""
     run_m = {(r["mode"], r["profile"], r["workload"]): r["metrics"] for r in runs}
     by: dict = {}
     for prof in profiles:
@@ -268,11 +274,17 @@ def summarize(records: list[dict], runs: list[dict], passed: dict, profiles: Seq
                  accepted_length_exact=e["accepted_length"],
                  accepted_length_semantic=m["accepted_length"],
                  rounds_exact=e["rounds"], rounds_semantic=m["rounds"],
+                 committed_tokens_exact=e["committed_tokens"],
+                 committed_tokens_semantic=m["committed_tokens"],
+                 rounds_per_100_tokens_exact=e["rounds_per_100_tokens"],
+                 rounds_per_100_tokens_semantic=m["rounds_per_100_tokens"],
                  pass1_diff_points=round(100 * st["pass1_diff"], 2),
                  pass1_diff_ci95_points=[round(100 * v, 2) for v in st["pass1_diff_ci95"]],
                  mcnemar_p=round(st["mcnemar_p"], 4),
                  accepted_length_ratio=_ratio(m["accepted_length"], e["accepted_length"]),
                  rounds_change=_ratio(m["rounds"], e["rounds"], minus_one=True),
+                 rounds_per_token_change=_ratio(m["rounds_per_100_tokens"],
+                                                e["rounds_per_100_tokens"], minus_one=True),
                  tpot_s_exact=e["tpot_s"], tpot_s_semantic=m["tpot_s"],
                  latency_total_s_exact=e["latency_total_s"],
                  latency_total_s_semantic=m["latency_total_s"],
@@ -332,15 +344,7 @@ def run_eval(cfg: EvalConfig, out: str | Path, progress: bool = True,
     passed = {(r["mode"], r["profile"], r["prompt_id"]): e["passed"]
               for r, e in zip(code, ex)}
     report = summarize(records, results["runs"], passed, cfg.profiles)
-    report["config"] = asdict(cfg) | {"stop_sequences": list(STOP_SEQUENCES),
-                                      "humaneval_ids": [p.id for p in
-                                                        prompt_sets.get("humaneval", [])],
-                                      "mtbench_ids": [p.id for p in
-                                                      prompt_sets.get("mtbench", [])],
-                                      "bench_config": results["config"]}
-    report["wall_s"] = {"bench": round(t_bench, 1), "execute": round(t_exec, 1),
-                        "total": round(time.monotonic() - t0, 1)}
-    report["summary"]["wall_s"] = report["wall_s"]["total"]
+    _finish(report, cfg, prompt_sets, results, t0, t_bench, t_exec)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "completions.jsonl", "w", encoding="utf-8") as f:
         for r, c, e in zip(code, comps, ex):
@@ -352,11 +356,43 @@ def run_eval(cfg: EvalConfig, out: str | Path, progress: bool = True,
     return report
 
 
+def _finish(report: dict, cfg: EvalConfig, prompt_sets: dict, results: dict, t0: float,
+            t_bench: float, t_exec: float) -> None:
+    report["config"] = asdict(cfg) | {"stop_sequences": list(STOP_SEQUENCES),
+                                      "humaneval_ids": [p.id for p in
+                                                        prompt_sets.get("humaneval", [])],
+                                      "mtbench_ids": [p.id for p in
+                                                      prompt_sets.get("mtbench", [])],
+                                      "bench_config": results["config"]}
+    report["wall_s"] = {"bench": round(t_bench, 1), "execute": round(t_exec, 1),
+                        "total": round(time.monotonic() - t0, 1)}
+    report["summary"]["wall_s"] = report["wall_s"]["total"]
+
+
+def rebuild_report(out: str | Path) -> dict:
+    """Recompute ``OUT/wisv_eval.json`` and ``OUT/wisv_eval.png`` of a finished run from
+    what it wrote (``bench/requests.jsonl``, ``bench/results.json``,
+    ``completions.jsonl``), keeping its config and wall times: no model, no execution.
+    Raises FileNotFoundError when a file is missing."""
+    out = Path(out)
+    old = json.loads((out / "wisv_eval.json").read_text())
+    records = _read_records(out / "bench" / "requests.jsonl")
+    runs = json.loads((out / "bench" / "results.json").read_text())["runs"]
+    passed = {(c["mode"], c["profile"], c["task_id"]): c["passed"]
+              for c in _read_records(out / "completions.jsonl")}
+    report = summarize(records, runs, passed, old["config"]["profiles"])
+    report["config"], report["wall_s"] = old["config"], old["wall_s"]
+    report["summary"]["wall_s"] = old["wall_s"]["total"]
+    (out / "wisv_eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_eval(report, out / "wisv_eval.png")
+    return report
+
+
 # --------------------------------------------------------------------------- output
 
 def plot_eval(report: dict, path: str | Path) -> Path:
     """Four panels per profile (exact vs semantic): HumanEval pass@1 (with the paired
-    interval of the difference), accepted length, rounds, TPOT."""
+    interval of the difference), accepted length, rounds per 100 tokens, TPOT."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,8 +403,8 @@ def plot_eval(report: dict, path: str | Path) -> Path:
                lambda b: b["stats"]["pass1_semantic"]),
               ("accepted length (tokens/round)", lambda b: b[EXACT]["accepted_length"],
                lambda b: b[SEMANTIC]["accepted_length"]),
-              ("rounds (all problems)", lambda b: b[EXACT]["rounds"],
-               lambda b: b[SEMANTIC]["rounds"]),
+              ("rounds per 100 tokens", lambda b: b[EXACT]["rounds_per_100_tokens"],
+               lambda b: b[SEMANTIC]["rounds_per_100_tokens"]),
               ("TPOT (s)", lambda b: b[EXACT]["tpot_s"], lambda b: b[SEMANTIC]["tpot_s"])]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     x = range(len(profs))
@@ -387,7 +423,7 @@ def plot_eval(report: dict, path: str | Path) -> Path:
             ax.set_ylim(0, 1.15)
         ax.set_xticks(list(x), profs)
         ax.set_title(title, fontsize=9)
-    axes[0].legend(fontsize=7, loc="lower left")
+    axes[1].legend(fontsize=7, loc="lower right")
     s = report["summary"]
     fig.suptitle(f"WISV semantic vs exact acceptance: {s['problems']} HumanEval problems",
                  fontsize=10)
@@ -411,10 +447,15 @@ def print_report(report: dict, echo: Callable[[str], None] = print) -> None:
                      f"{st['pass1_semantic']:.3f} (diff {100 * st['pass1_diff']:+.1f} pt, "
                      f"95 % CI [{100 * lo:+.1f}, {100 * hi:+.1f}], McNemar p "
                      f"{st['mcnemar_p']:.3f}, {st['problems']} problems)")
-            echo(f"{head} accepted length {e['accepted_length']} -> "
-                 f"{m['accepted_length']}, rounds {e['rounds']} -> {m['rounds']}, TPOT "
-                 f"{e['tpot_s']} -> {m['tpot_s']} s, uplink {e['uplink_bytes']} -> "
+            echo(f"{head} accepted length {_f(e['accepted_length'])} -> "
+                 f"{_f(m['accepted_length'])}, rounds {e['rounds']} -> {m['rounds']} "
+                 f"({e['committed_tokens']} -> {m['committed_tokens']} tokens), TPOT "
+                 f"{_f(e['tpot_s'])} -> {_f(m['tpot_s'])} s, uplink {e['uplink_bytes']} -> "
                  f"{m['uplink_bytes']} B, semantic tokens {m['semantic_accepted_tokens']}, "
                  f"identical outputs {b['outputs_identical']}/{e['requests']}")
     echo(f"wall {report['wall_s']['total']:.0f} s (bench {report['wall_s']['bench']:.0f} s, "
          f"execution {report['wall_s']['execute']:.0f} s)")
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.3f}"

@@ -77,9 +77,12 @@ class _Bar:
 @click.option("--out", "-o", default=None, type=click.Path(dir_okay=False),
               help="Head file (.safetensors; the .json manifest goes beside it) "
               "[default: cloud_api/assets/wisv/<target>.safetensors].")
+@click.option("--figures", default=None, type=click.Path(file_okay=False),
+              help="Also write train.json (the manifest) and train.png (label balance, "
+              "validation precision and accept rate by threshold) to this folder.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_tokens, n,
-          delta, width, batch, threads, out, no_progress):
+          delta, width, batch, threads, out, figures, no_progress):
     """Label greedy mismatches of the real pair on held-out text and fit the head.
 
     \b
@@ -112,6 +115,52 @@ def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_token
         click.echo(f"  tau {thr}: precision {row['precision']}, accepts "
                    f"{row['accept_rate']} of mismatches (recall {row['recall']})")
     click.echo(f"wrote {man['path']} and its manifest ({time.monotonic() - t0:.0f} s)")
+    if figures:
+        from pathlib import Path
+
+        d = Path(figures)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "train.json").write_text(json.dumps(man, indent=1) + "\n")
+        _plot_train(man, d / "train.png")
+        click.echo(f"wrote {d / 'train.json'} and {d / 'train.png'}")
+
+
+def _plot_train(man: dict, path) -> None:
+    """Two panels from a head's manifest: the histogram of S(d) - S(t) with the label's
+    margin, and the validation precision / accept rate by threshold with the policy's
+    thresholds marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = man["metrics"]
+    delta = man["train"]["delta"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    h = m["gap_histogram"]
+    e = h["edges"]
+    a.bar(e[:-1], h["counts"], width=e[1] - e[0], align="edge",
+          color=["#dd8452" if x >= -delta else "#4c72b0" for x in e[:-1]])
+    a.axvline(-delta, color="k", ls="--", lw=1)
+    a.set_xlabel("S(d) - S(t), nats (orange: acceptable)")
+    a.set_ylabel("mismatches")
+    a.set_title(f"{m['mismatches']} held-out mismatches, {100 * m['acceptable']:.0f} % "
+                f"acceptable (delta {delta:g})", fontsize=9)
+    cv = m["validation"]["curve"]
+    t = [c["threshold"] for c in cv]
+    b.plot(t, [c["precision"] if c["precision"] is not None else float("nan") for c in cv],
+           "o-", label="precision")
+    b.plot(t, [c["accept_rate"] for c in cv], "s-", label="accepted mismatches")
+    for thr in m["validation"]["precision_at"]:
+        b.axvline(float(thr), color="grey", ls=":", lw=1)
+    b.set_xlabel("threshold tau (dotted: 0.66 cellular-edge, 0.73 weak, 0.9 strong)")
+    b.set_ylim(0, 1.02)
+    b.set_title(f"validation: AUC {m['validation']['auc']} ({m['validation']['n']} "
+                f"mismatches of {m['validation_groups']} prompts)", fontsize=9)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 @wisv.command("check-labels", context_settings={"show_default": True})
@@ -151,7 +200,7 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
 
 @wisv.command("eval", context_settings={"show_default": True})
 @click.option("--quick", is_flag=True, help="<= 15 minutes on 2 cores: 40 HumanEval "
-              "problems (max 160 new tokens each) on cellular-edge, 4 MT-Bench "
+              "problems (max 192 new tokens each) on cellular-edge, 4 MT-Bench "
               "questions x 48 tokens.")
 @click.option("--target", default="qwen2.5-coder-1.5b", help="Target model (preset).")
 @click.option("--draft", default=None, help="Draft model [default: the bench's default "
@@ -164,18 +213,17 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
 @click.option("--mtbench", "n_chat", default=None, type=click.IntRange(0, 48),
               help="MT-Bench questions [default: 16; --quick: 4].")
 @click.option("--max-new-tokens", default=None, type=click.IntRange(1),
-              help="HumanEval token budget per problem [default: 384; --quick: 160].")
+              help="HumanEval token budget per problem [default: 384; --quick: 192].")
 @click.option("--chat-tokens", default=None, type=click.IntRange(1),
               help="MT-Bench tokens per question [default: 128; --quick: 48].")
 @click.option("--depth", default=6, type=click.IntRange(1, 8), help="Draft depth.")
 @click.option("--head", default="auto", metavar="auto|PATH",
               help="Decision head the server loads (as `serve --wisv-head`).")
-@click.option("--seed", default=0, type=int, help="Prompt order and request seeds.")
 @click.option("--out", "-o", default="wisv-eval", type=click.Path(file_okay=False),
               help="Folder for wisv_eval.json, wisv_eval.png and requests.jsonl.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_tokens,
-          depth, head, seed, out, no_progress):
+          depth, head, out, no_progress):
     """Exact vs semantic acceptance on the same prompts and seeds, HumanEval executed.
 
     \b
@@ -188,7 +236,7 @@ def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_t
 
     cfg = EvalConfig.preset(quick, target=target, draft=draft, profiles=profiles,
                             n_code=n_code, n_chat=n_chat, max_new_tokens=max_new_tokens,
-                            chat_tokens=chat_tokens, depth=depth, head=head, seed=seed)
+                            chat_tokens=chat_tokens, depth=depth, head=head)
     report = run_eval(cfg, out, progress=not no_progress,
                       log=lambda s: click.echo(s, err=True))
     print_report(report, click.echo)

@@ -121,9 +121,28 @@ def test_summary_from_bench_records():
     assert s["accepted_length_ratio"] == 2.0 and s["rounds_change"] == -0.5
     assert s["semantic_accepted_tokens"] == 4 and s["pass1_diff_points"] == -25.0
     assert s["mtbench_outputs_identical"] == 1
+    assert s["rounds_per_100_tokens_exact"] == 50.0 and s["rounds_per_token_change"] == -0.5
     he = rep["by_profile"]["weak"]["humaneval"]
     assert he["outputs_identical"] == 0 and he["mean_common_prefix_tokens"] == 2
     assert he[W.EXACT]["uplink_bytes"] == 400
+
+
+def test_rebuild_report_from_a_run_folder(tmp_path):
+    import json
+
+    recs = [_rec(m, "weak", "humaneval", "HumanEval/0", [1, 2, 3], 2) for m in (W.EXACT, W.SEMANTIC)]
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "bench" / "results.json").write_text(json.dumps({"runs": []}))
+    (tmp_path / "completions.jsonl").write_text("".join(json.dumps(
+        {"mode": m, "profile": "weak", "task_id": "HumanEval/0", "passed": m == W.EXACT})
+        + "\n" for m in (W.EXACT, W.SEMANTIC)))
+    (tmp_path / "wisv_eval.json").write_text(json.dumps(
+        {"config": {"profiles": ["weak"]}, "wall_s": {"total": 9.0}}))
+    pytest.importorskip("matplotlib")
+    rep = W.rebuild_report(tmp_path)
+    assert rep["summary"]["pass1_exact"] == 1.0 and rep["summary"]["pass1_semantic"] == 0.0
+    assert rep["summary"]["wall_s"] == 9.0 and (tmp_path / "wisv_eval.png").is_file()
 
 
 def test_plot_and_report_lines(tmp_path):
@@ -183,3 +202,27 @@ def test_wisv_mode_is_greedy_only_and_compared_with_specrelay():
     assert m.run_metrics([{"semantic_accepted_tokens": 3, "committed_tokens": 30},
                           {"committed_tokens": 10}]) == {
         "semantic_accepted_tokens": 3, "semantic_token_fraction": 0.075}
+
+
+@pytest.mark.slow
+def test_real_pair_eval_end_to_end(tmp_path):
+    """Two HumanEval problems and one MT-Bench question through the bench's real server
+    path with the shipped head (loads the real pair: about a minute)."""
+    cfg = W.EvalConfig.preset(False, profiles="cellular-edge", n_code=2, n_chat=1,
+                              max_new_tokens=48, chat_tokens=16)
+    rep = W.run_eval(cfg, tmp_path, progress=False, log=lambda s: None)
+    s = rep["summary"]
+    assert s["problems"] == 2 and s["mtbench_questions"] == 1
+    assert s["rounds_exact"] > 0 and s["rounds_semantic"] > 0
+    assert (tmp_path / "wisv_eval.json").is_file() and (tmp_path / "wisv_eval.png").is_file()
+    assert rep["by_profile"]["cellular-edge"]["humaneval"][W.EXACT]["semantic_accepted_tokens"] == 0
+
+
+def test_the_identity_check_leaves_the_lossy_mode_out():
+    from bench.report.identity import greedy_divergences
+
+    recs = [{"mode": m, "profile": "weak", "workload": "humaneval", "prompt_id": "p",
+             "token_ids": toks, "metrics": {}}
+            for m, toks in (("specrelay", [1, 2, 3]), ("wisv", [1, 9, 9]))]
+    d = greedy_divergences(recs, {"humaneval"})
+    assert d["compared"] == 0 and d["hard_divergences"] == 0

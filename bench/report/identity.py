@@ -3,7 +3,8 @@ alone token for token (Leviathan et al. 2023, "Fast Inference from Transformers 
 Speculative Decoding", §2.3), up to near-ties of the target's logits.
 
 * :func:`greedy_divergences` — our modes against the target-alone reference, a
-  divergence classified as a near-tie or a hard divergence (a bug);
+  divergence classified as a near-tie or a hard divergence (a bug); lossy modes
+  (``wisv``) are left out;
 * :func:`greedy_agreement` — the peer engines (other kernels and numerics, left out of
   the identity check) against our modes' tokens.
 """
@@ -16,7 +17,7 @@ import numpy as np
 from edge_sdk.kvmodel import common_prefix
 from edge_sdk.metrics import classify_divergence
 
-__all__ = ["same_engine", "greedy_divergences", "greedy_agreement"]
+__all__ = ["same_engine", "exact_mode", "greedy_divergences", "greedy_agreement"]
 
 
 def same_engine(r: dict) -> bool:
@@ -30,11 +31,23 @@ def same_engine(r: dict) -> bool:
         return True
 
 
+def exact_mode(r: dict) -> bool:
+    """False for a record of a lossy mode (``BenchMode.lossy``: ``wisv``'s semantic
+    acceptance gives up the target's exact output by design; its outputs are judged by
+    ``specrelay wisv eval``, not by the identity check)."""
+    from bench.modes import get_mode
+
+    try:
+        return not getattr(get_mode(r["mode"]), "lossy", False)
+    except ValueError:
+        return True
+
+
 def _groups(records: list[dict], greedy_labels: set[str]) -> dict[tuple, list]:
-    """Our modes' greedy records by (profile, workload, prompt_id)."""
+    """Our exact modes' greedy records by (profile, workload, prompt_id)."""
     groups: dict[tuple, list] = {}
     for r in records:
-        if r["workload"] in greedy_labels and same_engine(r):
+        if r["workload"] in greedy_labels and same_engine(r) and exact_mode(r):
             groups.setdefault((r["profile"], r["workload"], r["prompt_id"]), []).append(r)
     return groups
 

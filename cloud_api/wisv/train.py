@@ -578,9 +578,11 @@ def fit_head(ds: Dataset, delta: float = DEFAULT_DELTA,
     ``val_frac`` of the source sequences are held out; on the rest, (width, L2, hidden
     scale: see :func:`_fit`) is chosen by ``folds``-fold grouped cross-validation AUC,
     then refitted on the whole training part. Returns ``(head, metrics)``: metrics hold the sizes and label
-    balance, the chosen setting and its CV AUC, and on the held-out part ``auc``,
-    ``accuracy`` (at 0.5), ``precision_at`` each threshold, the AUC of the log-prob gap
-    alone (``auc_logp_gap``) and the same per workload. Raises ValueError for fewer
+    balance, the chosen setting and its CV AUC, a histogram of S(d) - S(t)
+    (``gap_histogram``, 0.5-nat bins), and on the held-out part ``auc``, ``accuracy``
+    (at 0.5), ``precision_at`` each threshold, the AUC of the log-prob gap alone
+    (``auc_logp_gap``), the same per workload and ``curve`` (precision and accept rate
+    at thresholds 0.05 .. 0.95). Raises ValueError for fewer
     than 10 mismatches or a single class.
     """
     X, y = ds.features.float(), ds.labels(delta)
@@ -627,6 +629,12 @@ def fit_head(ds: Dataset, delta: float = DEFAULT_DELTA,
     val = block(va)
     val["by_workload"] = {w: block([i for i in va if ds.workloads[i] == w])
                           for w in sorted(set(ds.workloads[i] for i in va))}
+    val["curve"] = [{"threshold": round(t, 2)} | precision_at(p, yv, t)
+                    for t in [k / 20 for k in range(1, 20)]]
+    edges = [-8.0 + 0.5 * k for k in range(25)]             # nats, -8 .. +4
+    gap = ds.gap.clamp(edges[0], edges[-1] - 1e-6)
+    hist = {"edges": edges, "counts": torch.histc(gap, bins=24, min=edges[0],
+                                                  max=edges[-1]).long().tolist()}
     metrics = {"mismatches": len(ds), "acceptable": round(float(y.mean()), 4),
                "acceptable_by_workload": {
                    w: round(float(y[[i for i, x in enumerate(ds.workloads) if x == w]].mean()), 4)
@@ -637,7 +645,7 @@ def fit_head(ds: Dataset, delta: float = DEFAULT_DELTA,
                "train_rows": len(tr), "validation_rows": len(va),
                "validation_groups": len(set(ds.groups[i] for i in va)),
                "grid": grid, "chosen": {k: best[k] for k in ("width", "l2", "hidden_scale")},
-               "validation": val,
+               "validation": val, "gap_histogram": hist,
                "train_auc": round(auc(head.prob(X[tr]), y[tr]), 4)}
     return head, metrics
 
