@@ -226,3 +226,13 @@ def test_the_identity_check_leaves_the_lossy_mode_out():
             for m, toks in (("specrelay", [1, 2, 3]), ("wisv", [1, 9, 9]))]
     d = greedy_divergences(recs, {"humaneval"})
     assert d["compared"] == 0 and d["hard_divergences"] == 0
+
+
+def test_bench_cli_passes_the_head_for_the_wisv_mode():
+    from bench.cli import _config, bench
+
+    ctx = bench.make_context("bench", ["--modes", "specrelay,wisv", "--wisv-head", "h.st"])
+    cfg = _config(ctx.params)
+    assert cfg.modes == ["specrelay", "wisv"] and cfg.server_kw["wisv_head"] == "h.st"
+    ctx = bench.make_context("bench", ["--modes", "specrelay"])
+    assert "wisv_head" not in _config(ctx.params).server_kw
