@@ -310,9 +310,10 @@ def _config(o: dict):
                           auth=not o["insecure_no_auth"], edge_load=o["edge_load"],
                           warmup=not o["no_warmup"], dtype=o["dtype"],
                           server_kw={"max_wait_s": o["max_wait_ms"] / 1000.0}, **run, **kw)
-        if o.get("siblings"):
-            cfg.mode_options.setdefault("sr-tree", {}).setdefault(
-                "client", {})["siblings"] = o["siblings"]
+        for name in (cfg.modes if o.get("siblings") else ()):
+            if name.split("@")[0] == "sr-tree":
+                cfg.mode_options.setdefault(name, {}).setdefault(
+                    "client", {})["siblings"] = o["siblings"]
         if any(M.get_mode(m).early_exit for m in cfg.modes):
             cfg.server_kw["early_exit"] = o["early_exit"]
         if any(getattr(M.get_mode(m), "wisv", False) for m in cfg.modes):

@@ -157,7 +157,7 @@ def test_heuristic_schedule():
 
 def test_fixed():
     assert [FixedDepth(3).next_depth() for _ in range(3)] == [3, 3, 3]
-    assert FixedDepth(20).next_depth() == 8
+    assert FixedDepth(20).next_depth() == 16             # the wire limit, MAX_DRAFT_TOKENS
 
 
 # ----------------------------------------------------------------------------- analytic

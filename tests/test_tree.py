@@ -196,3 +196,23 @@ def test_greedy_identity_with_siblings_over_http(target, draft, tok, server):
         assert sum(g[1]["sibling_hits"] for g in got) > 0
         if pro == "off":     # a hit commits 2 tokens where a chain commits 1
             assert sum(g[1]["rounds"] for g in got) < sum(b[1]["rounds"] for b in base)
+
+
+def test_bench_mode_at_depth():
+    from bench import modes as M
+
+    c = M.get_mode("sr-tree@12")
+    assert c.fixed_depth == 12 and c.client_kw["siblings"] == 2 and c.name == "sr-tree@12"
+    assert M.get_mode("sr-tree@12") is c
+    for bad in ("cloud-ar@3", "sr-ahead@0", "sr-ahead@99", "nope@4"):
+        with pytest.raises(ValueError):
+            M.get_mode(bad)
+
+
+def test_fixed_depth_reaches_the_wire_limit():
+    """A fixed depth above the adaptive controllers' L_max is drafted as asked."""
+    from edge_sdk.control import L_MAX, FixedDepth
+    from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
+    assert FixedDepth(12).next_depth() == 12 > L_MAX
+    assert FixedDepth(99).next_depth() == MAX_DRAFT_TOKENS

@@ -44,13 +44,34 @@ def register_mode(cls: type[BenchMode]) -> type[BenchMode]:
 
 
 def get_mode(name: str) -> type[BenchMode]:
-    """The mode class for ``name``. Raises ValueError listing the known modes."""
+    """The mode class for ``name``; ``MODE@N`` is an edge-drafting mode at fixed draft
+    depth N (a depth sweep in one run, e.g. ``sr-ahead@6,sr-ahead@12``). Raises
+    ValueError listing the known modes."""
     if name not in MODES:
         load_plugins()
+    if name not in MODES and "@" in name:
+        return _at_depth(name)
     try:
         return MODES[name]
     except KeyError:
         raise ValueError(f"unknown bench mode {name!r}; choose from {mode_names()}") from None
+
+
+def _at_depth(name: str) -> type[BenchMode]:
+    """Register and return ``MODE@N``: MODE with ``fixed_depth = N``. Raises ValueError
+    for an unknown MODE, one without a draft depth, or N outside 1..MAX_DRAFT_TOKENS."""
+    from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
+    base, _, n = name.rpartition("@")
+    cls = get_mode(base)
+    if not hasattr(cls, "fixed_depth"):
+        raise ValueError(f"bench mode {base!r} has no draft depth to fix ({name!r})")
+    if not n.isdigit() or not 1 <= int(n) <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"{name!r}: the depth after @ must be in 1..{MAX_DRAFT_TOKENS}")
+    sub = type(cls.__name__ + "AtDepth" + n, (cls,),
+               {"name": name, "fixed_depth": int(n),
+                "description": f"{cls.description} (depth {n})"})
+    return register_mode(sub)
 
 
 def mode_names() -> list[str]:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from edge_sdk.control.base import L_MAX, DepthController, PlanContext
+from edge_sdk.control.base import DepthController, PlanContext
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 
 
 class FixedDepth(DepthController):
-    """Always drafts ``depth`` tokens (clamped to ``1..l_max``)."""
+    """Always drafts ``depth`` tokens (clamped to ``1..l_max``; by default the wire's
+    largest block, not the adaptive controllers' ``L_max``)."""
 
     name = "fixed"
 
-    def __init__(self, depth: int = 4, l_max: int = L_MAX):
+    def __init__(self, depth: int = 4, l_max: int = MAX_DRAFT_TOKENS):
         super().__init__(l_max)
         if int(depth) < 1:
             raise ValueError("depth must be >= 1")
