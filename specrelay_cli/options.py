@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import click
 
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS
-from edge_sdk.protocol.tree import MAX_SIBLINGS
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS, MAX_SIBLINGS
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
 #: which this module does not import at start-up to keep ``--help`` fast).

@@ -314,6 +314,6 @@ def test_cli_concurrent_depth(monkeypatch):
                                    "--depth", "4", "--out", "/tmp/x", "--no-progress"])
     assert r.exit_code == 0, r.output
     assert seen[-1].concurrent_depth == 2 and seen[-1].depth == 4
-    r = CliRunner().invoke(bench, ["--modes", "pipeline", "--concurrent-depth", "9",
+    r = CliRunner().invoke(bench, ["--modes", "pipeline", "--concurrent-depth", "17",
                                    "--out", "/tmp/x"])
     assert r.exit_code == 2

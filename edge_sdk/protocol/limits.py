@@ -17,3 +17,7 @@ CONTROLLER_MAX_DEPTH = 8
 
 MAX_PROACTIVE_ROOTS = 8
 """The most guessed bonus tokens (tree roots) of proactive drafting."""
+
+MAX_SIBLINGS = 4
+"""The most tree siblings at one draft position (greedy sibling trees,
+:mod:`edge_sdk.protocol.tree`)."""

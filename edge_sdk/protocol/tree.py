@@ -33,10 +33,10 @@ from typing import Sequence
 
 import torch
 
+from edge_sdk.protocol.limits import MAX_SIBLINGS
+
 __all__ = ["MAX_SIBLINGS", "TreeLayout", "layout", "tree_verdict", "sibling_row"]
 
-MAX_SIBLINGS = 4
-"""The most alternatives at one draft position."""
 
 
 @dataclass(frozen=True)

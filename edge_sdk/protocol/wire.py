@@ -233,7 +233,7 @@ def _alts_to_wire(alts, dt) -> list | None:
 def _alts_from_wire(v, toks: np.ndarray, vocab_size: int) -> list[list[int]]:
     """Validate ``[m, positions, ids]`` against the block ``toks`` [g]. Returns [g]
     lists. Raises WireError('alts', ...)."""
-    from edge_sdk.protocol.tree import MAX_SIBLINGS
+    from edge_sdk.protocol.limits import MAX_SIBLINGS
 
     if not isinstance(v, list) or len(v) != 3:
         raise WireError("alts", "expected [m, positions, ids]")
