@@ -168,7 +168,10 @@ def test_sibling_policy_picks_least_sure_positions():
                      [[10, 11, 12], [13, 14, 15], [16, 17, 18], [19, 20, 21]],
                      [0.99, 0.3, 0.6, 0.5])
     pol = SiblingPolicy(width=2, below=0.8, max_rows=9)
-    assert pol.choose(blk, 40) == [[], [13, 14], [], [19, 20]]     # 5 + 4 rows
+    assert pol.choose(blk, 40) == [[], [13, 14], [16, 17], []]     # 5 + 4 rows
+    # the last position never gets siblings (a hit there would look like a full
+    # acceptance to a block sent ahead)
+    assert SiblingPolicy(width=1, below=1.0).choose(blk, 40)[-1] == []
     assert pol.choose(blk, 0) is None                              # server: no trees
     assert SiblingPolicy(width=1, below=0.2).choose(blk, 40) is None
     with pytest.raises(ValueError):

@@ -19,9 +19,14 @@ __all__ = ["SiblingPolicy"]
 
 @dataclass(frozen=True)
 class SiblingPolicy:
-    """Give ``width`` siblings to each draft position whose draft probability of its
-    own token is below ``below``, least sure first, while the pass stays within
-    ``max_rows`` rows (1 + g + siblings; the server's ``max_tree_rows`` also caps it).
+    """Give ``width`` siblings to each draft position but the last whose draft
+    probability of its own token is below ``below``, least sure first, while the pass
+    stays within ``max_rows`` rows (1 + g + siblings; the server's ``max_tree_rows``
+    also caps it). The last position gets none: a sibling hit there would commit as
+    many tokens as a full acceptance, possibly ending in the same bonus token, so a
+    block sent ahead on the full-acceptance assumption would be verified by the cloud
+    (it checks the confirmed length and last token) while the edge, seeing another
+    prefix, drafts that block anew (409 ``block_seq_reused``).
 
     Raises ValueError on a width outside 1..MAX_SIBLINGS or a bad threshold."""
 
@@ -43,7 +48,10 @@ class SiblingPolicy:
             return None
         g, m = len(block), self.width
         budget = min(self.max_rows, server_rows) - (1 + g)
-        order = sorted((c, i) for i, c in enumerate(block.conf)
+        # never the last position: a hit there ends the round at the length (and maybe
+        # the last token) of a full acceptance, which a block sent ahead on that
+        # assumption cannot tell apart (the cloud checks base_len + expect_last)
+        order = sorted((c, i) for i, c in enumerate(block.conf[: g - 1])
                        if c < self.below and len(block.cands[i]) >= m)
         alts: list[list[int]] = [[] for _ in range(g)]
         for _, i in order:
