@@ -310,9 +310,9 @@ class Verifier:
         a, nxt = S.greedy_verify(torch.tensor(block, dtype=torch.long), x)
         sib, ties = None, self.tie_offsets(x[: a + 1])
         if a < g:
-            rows = [(tok, r) for i, tok, r in tree.sib_rows if i == a and tok == nxt]
-            if rows:
-                sib, r = rows[0]
+            r = TR.sibling_row(tree, a, nxt)
+            if r is not None:
+                sib = nxt
                 xs = S.process_next(logits[r], s.cfg, context + block[:a] + [sib])
                 nxt = int(S.greedy_token(xs))
                 ties = ties + tuple(a + 1 for _ in self.tie_offsets(xs[None]))

@@ -97,16 +97,10 @@ def tree_verdict(best: torch.Tensor, drafts: Sequence[int], tree: TreeLayout
     while a < g and int(best[a]) == int(drafts[a]):
         a += 1
     t = int(best[a])
-    if a < g:
-        for i, tok, row in tree.sib_rows:
-            if i == a and tok == t:
-                return a, tok, int(best[row])
-    return a, None, t
+    row = sibling_row(tree, a, t) if a < g else None
+    return (a, t, int(best[row])) if row is not None else (a, None, t)
 
 
-def sibling_row(tree: TreeLayout, a: int, token: int) -> int:
-    """The row of sibling ``token`` at draft index ``a``. Raises KeyError if none."""
-    for i, tok, row in tree.sib_rows:
-        if i == a and tok == token:
-            return row
-    raise KeyError((a, token))
+def sibling_row(tree: TreeLayout, a: int, token: int) -> int | None:
+    """The row of sibling ``token`` at draft index ``a``, or None if it has none."""
+    return next((row for i, tok, row in tree.sib_rows if i == a and tok == token), None)
