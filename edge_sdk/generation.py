@@ -70,6 +70,7 @@ class Generation:
                               client.probe_interval_s, client.transport)
         self.round_idx = 0                      # verification rounds so far (the draws)
         self._ahead: Ahead | None = None        # the kept branch's block, sent ahead
+        self._first: tuple[DraftBlock, int] | None = None   # round 0's block (_open)
         self._t_verdict: float | None = None    # perf_counter of the last verdict
         self.verified: list[bool] = []
         self.semantic: list[bool] = []          # per committed token: accepted semantically
@@ -110,20 +111,55 @@ class Generation:
             await self._close()
 
     async def _open(self) -> None:
-        """Create the cloud session (waiting for the cloud as the policy allows: there
-        is nothing to draft from yet) while the draft prefills its KV cache."""
-        drafter, prompt = self.pro.drafter, self.prompt_ids
-        warm = (asyncio.get_running_loop().run_in_executor(
-            self.c.scheduler.executor, drafter.sync, prompt)
-            if drafter is not None and len(prompt) > 1 else None)
+        """Create the cloud session (waiting for the cloud as the policy allows) while
+        the draft prefills its KV cache and drafts the first block from the prompt.
+
+        The target's prefill (seconds on a long prompt) hides the first block's
+        drafting, which would otherwise sit between the prefill and the first
+        verification and add a whole block's draft time to the TTFT. The block uses
+        the draws of round 0 (the same ones the first round would use), so outputs
+        are unchanged."""
+        first = (asyncio.ensure_future(self._draft_first(self.prompt_ids))
+                 if self.pro.drafter is not None else None)
         try:
             info = await self.loss.until_reachable(
-                lambda: self.sess.create(prompt, self.max_new_tokens))
+                lambda: self.sess.create(self.prompt_ids, self.max_new_tokens))
         finally:
-            if warm is not None:
-                await warm
+            if first is not None:
+                self._first = await first
         self.committer = Committer(self.c.tokenizer, self.max_new_tokens,
                                    info.get("eos_token_ids", []), self.stop)
+
+    async def _draft_first(self, prompt: list[int]) -> tuple[DraftBlock, int] | None:
+        """Prefill the draft on ``prompt`` and draft round 0's block. Returns (block,
+        planned depth) or None (nothing to draft)."""
+        drafter = self.pro.drafter
+        if len(prompt) > 1:
+            await asyncio.get_running_loop().run_in_executor(
+                self.c.scheduler.executor, drafter.sync, prompt)
+        planned = self._plan(False, remaining=self.max_new_tokens)
+        try:
+            block = await self._draft(prompt, planned, self.round_idx)
+        finally:
+            self.c.scheduler.close(self)     # held by this request, not an open block
+        return None if block is None else (block, planned)
+
+    def _take_first(self, tokens: list[int]) -> tuple[DraftBlock, int] | None:
+        """Round 0's block drafted during the create, cut to the cloud's max block and
+        the tokens left; None when it does not apply (a later round: the request went
+        offline first; its tokens count as wasted)."""
+        first, self._first = self._first, None
+        if first is None:
+            return None
+        block, planned = first
+        if len(tokens) != len(self.prompt_ids):
+            self.m.proactive_wasted_tokens += len(block)
+            return None
+        cap = min(self.sess.max_block, self.committer.remaining - 1)
+        if cap <= 0:
+            self.m.proactive_wasted_tokens += len(block)
+            return None
+        return block.head(cap), min(planned, cap)
 
     async def _next_tokens(self, tokens: list[int]) -> tuple[list[int], bool]:
         """The next confirmed tokens and whether the target verified them."""
@@ -166,7 +202,12 @@ class Generation:
             yield TokenEvent(t, text, verified, sem)
 
     def _discard_lookahead(self) -> None:
-        """The request ended: a block sent ahead or a kept branch is wasted."""
+        """The request ended: a block sent ahead, a kept branch or an unused round-0
+        block is wasted."""
+        if self._first is not None:
+            self.m.proactive_wasted_tokens += len(self._first[0])
+            self.m.wasted_draft_tokens += len(self._first[0])
+            self._first = None
         self.sess.drop_ahead(self._ahead)
         self._ahead = None
         kept = self.pro.take_kept()
@@ -192,18 +233,22 @@ class Generation:
         try:
             if ahead is not None:       # proactive hit whose block is already sent
                 return await self._verify(tokens, ahead.block, ahead.plan, True, ahead)
-            block, planned = await self._open_block(tokens, kept)
+            first = self._take_first(tokens) if kept is None else None
+            block, planned = (first if first is not None
+                              else await self._open_block(tokens, kept))
             return await self._verify(tokens, block, planned, kept is not None)
         finally:
             self.c.scheduler.close(self)      # committed or aborted: ready again
 
-    def _plan(self, proactive: bool, after: int = 0) -> int:
+    def _plan(self, proactive: bool, after: int = 0, remaining: int | None = None) -> int:
         """The controller's depth for the next block, clamped to the server's max block
         and to the tokens left (``after``: tokens the in-flight block commits if fully
-        accepted). 0: nothing to draft."""
+        accepted; ``remaining``: tokens left when there is no committer yet). 0:
+        nothing to draft."""
         if self.target_only:
             return 0
-        cap = min(self.sess.max_block, self.committer.remaining - after - 1)
+        left = self.committer.remaining if remaining is None else remaining
+        cap = min(self.sess.max_block, left - after - 1)
         if cap <= 0:
             return 0
         depth = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap))
@@ -230,7 +275,8 @@ class Generation:
         drafter without a match)."""
         if depth <= 0:
             return None
-        block = await self.c.scheduler.draft(self, len(self.committer.token_ids),
+        committed = 0 if self.committer is None else len(self.committer.token_ids)
+        block = await self.c.scheduler.draft(self, committed,
                                              self.pro.drafter.propose, tokens, depth,
                                              self.cfg, rng.generator(self.seed, stream, index))
         return block if len(block) else None

@@ -348,3 +348,43 @@ def test_on_round_hook_gets_one_record_per_round(svc, tok, close_draft):
     assert [r["round"] for r in trace] == list(range(out.metrics["rounds"]))
     assert [r["accepted"] for r in trace] == out.metrics["accepted_hist"]
     assert all(0 <= r["t_send"] <= r["t_response"] for r in trace)
+
+
+class SlowCreate(InProcessTransport):
+    """Session creates answer ``delay_s`` late (a target prefill on a long prompt); the
+    times of the create's answer and of every verify request are recorded."""
+
+    def __init__(self, svc, delay_s: float):
+        super().__init__(svc)
+        self.delay_s, self.t_created, self.t_verify = delay_s, None, []
+
+    async def request(self, method, path, body=b"", content_type=""):
+        if path.endswith("/verify"):
+            self.t_verify.append(time.perf_counter())
+        out = await super().request(method, path, body)
+        if method == "POST" and path.rstrip("/").endswith("/sessions"):
+            await asyncio.sleep(self.delay_s)
+            self.t_created = time.perf_counter()
+        return out
+
+
+@pytest.mark.parametrize("max_block", [16, 2])
+def test_first_block_is_drafted_during_the_create(target, tok, close_draft, reference,
+                                                  max_block):
+    """Round 0's block is drafted while the cloud prefills: the first verify leaves
+    within a moment of the create's answer although a block of 6 costs >= 6 x 30 ms of
+    drafting; a server with a smaller max block gets the block cut to it. Output
+    unchanged (greedy identity)."""
+    step_s, depth = 0.03, 6
+    tr = SlowCreate(CloudService(target, tok, max_block=max_block), delay_s=0.5)
+    seen: list[int] = []
+
+    async def main():
+        async with EdgeClient("inproc://", SlowDrafter(close_draft, step_s), tok,
+                              chat=False, transport=tr, depth=depth) as c:
+            return await c.generate(prompt_ids=PROMPT, max_new_tokens=40,
+                                    on_round=lambda r: seen.append(r["depth"]))
+    out = asyncio.run(main())
+    assert out.token_ids == reference
+    assert tr.t_verify[0] - tr.t_created < step_s * depth / 2
+    assert seen[0] == min(depth, max_block) and max(seen) <= max_block

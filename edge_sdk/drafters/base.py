@@ -53,6 +53,17 @@ class DraftBlock:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def head(self, n: int) -> "DraftBlock":
+        """The block's first ``n`` positions (itself when it has no more). Draws and
+        candidates of the kept positions are unchanged, so a trimmed block verifies
+        exactly as if only ``n`` tokens had been drafted with the same generator."""
+        if n >= len(self.tokens):
+            return self
+        return DraftBlock(self.tokens[:n], self.q_tok[:n],
+                          None if self.q is None else self.q[:n], self.draft_s,
+                          None if self.cands is None else self.cands[:n],
+                          None if self.conf is None else self.conf[:n])
+
 
 class Drafter(ABC):
     """Draft-model mechanism with a KV cache that rolls back to the confirmed prefix."""
