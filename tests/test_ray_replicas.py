@@ -1,7 +1,7 @@
 """Verifier replicas on a local Ray cluster behind the signed ingress
 (:mod:`cloud_api.replicas`): greedy output through two replicas equals the embedded
-server's and target-only decoding, with sibling trees too; every request of a session reaches the replica that
-created it (from either ingress worker); a replay is refused across two ingress apps
+server's and target-only decoding, with sibling trees too; every request of a session
+reaches the replica that created it (from either ingress worker); a replay is refused across two ingress apps
 sharing the nonce cache, and their rate-limit windows are one; a replica killed
 mid-generation costs its sessions a re-creation only (all outputs still target-only).
 Tiny random models; one Ray cluster and one pair of replicas for the module."""
