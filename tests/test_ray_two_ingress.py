@@ -12,11 +12,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
@@ -27,22 +22,9 @@ from cloud_api.keys import SQLiteKeyStore  # noqa: E402
 from cloud_api.replicas import cluster  # noqa: E402
 from edge_sdk.protocol import wire  # noqa: E402
 from edge_sdk.protocol.signing import Signer  # noqa: E402
+from serve_process import ServeProcess, save_tiny  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-START_S = 120      # seconds an ingress process may take to answer /healthz
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def save_tiny(path) -> str:
-    """The tests' tiny target and tokenizer as a model folder (``--model DIR``)."""
-    conftest.tiny_model(seed=0).save_pretrained(path)
-    conftest.tiny_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def pair(seed: int):
@@ -68,42 +50,6 @@ def ray_cluster():
             os.environ["PYTHONPATH"] = saved
 
 
-class Ingress:
-    """One ``specrelay serve`` subprocess (stderr in a file); ``url`` once it answers
-    /healthz. Raises AssertionError (with its stderr) when it exits or is not up in
-    ``START_S`` seconds."""
-
-    def __init__(self, tmp, name: str, args: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": ROOT}
-        with open(self.log, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "specrelay_cli", "serve", "--port", str(self.port),
-                 *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-
-    def wait_healthy(self) -> dict:
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=2) as r:
-                    return json.loads(r.read())
-            except OSError:
-                time.sleep(0.3)
-        raise AssertionError(f"not up in {START_S} s: {self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 @pytest.fixture(scope="module")
 def two_ingress(ray_cluster, tmp_path_factory):
     """Ingress processes A and B over 2 shared replicas, with a key store holding a
@@ -116,7 +62,7 @@ def two_ingress(ray_cluster, tmp_path_factory):
     _, tight = store.create("tight", scopes=("verify",), rpm=4, tpm=10_000_000)
     args = ["--model", model, "--dtype", "float32", "--threads", "1", "--replicas", "2",
             "--ray-address", ray_cluster, "--db", db]
-    procs = [Ingress(tmp, n, args) for n in ("a", "b")]
+    procs = [ServeProcess(tmp, n, args) for n in ("a", "b")]
     try:
         health = [p.wait_healthy() for p in procs]
         yield {"a": procs[0], "b": procs[1], "health": health,
