@@ -138,6 +138,14 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--chaos-rows", default=None, help="With --chaos: run only the rows whose "
               "fault name contains one of these comma-separated strings "
               "(case-insensitive), e.g. 'correction' or 'partition,drop-request'.")
+@click.option("--scale-out", is_flag=True, help="Run the scale-out bench instead "
+              "(bench.replicas; needs the [ray] extra): the embedded server vs the Ray "
+              "ingress over 1 and 2 verifier replicas, C concurrent target-only clients "
+              "(--concurrency, one value, default 16) x --max-new-tokens (default 24), "
+              "outputs compared with the embedded server's. Target: `tiny` (a random "
+              "model, seconds) unless --target is given. Writes OUT/replicas.json and "
+              "OUT/replicas.png. On one small machine it shows the Ray path's overhead, "
+              "not scaling.")
 def bench(**o):
     """Benchmark modes x network profiles x workloads through the link emulator.
 
@@ -151,6 +159,9 @@ def bench(**o):
         return
     if o["chaos"]:
         _chaos(o)
+        return
+    if o["scale_out"]:
+        _scale_out(o)
         return
     if o["chaos_rows"] is not None:
         raise click.UsageError("--chaos-rows applies to --chaos only")
@@ -199,6 +210,29 @@ def _chaos(o: dict) -> None:
         raise click.BadParameter(str(e)) from None
     except ChaosFailed as e:
         raise click.ClickException(str(e)) from None
+
+
+def _scale_out(o: dict) -> None:
+    """``--scale-out``: :mod:`bench.replicas`. Raises click.UsageError for more than one
+    --concurrency value."""
+    from click.core import ParameterSource
+
+    from bench import replicas as R
+
+    conc = _concurrency(o["concurrency"] or "16")
+    if len(conc) != 1:
+        raise click.UsageError("--scale-out takes one --concurrency value")
+    given = click.get_current_context().get_parameter_source("target")
+    name = o["target"] if given != ParameterSource.DEFAULT else "tiny"
+    tokens = o["max_new_tokens"] or 24
+    rows = R.run(R.tiny_pair if name == "tiny" else name, conc[0], tokens)
+    R.print_table(rows)
+    paths = R.write_report(rows, o["out_dir"], {"model": name, "concurrency": conc[0],
+                                                "tokens": tokens})
+    click.echo(f"wrote {', '.join(paths)}")
+    if not all(r["identical"] for r in rows):
+        raise click.ClickException("a replicated output differs from the embedded "
+                                   "server's")
 
 
 def _local_modes(o: dict) -> bool:

@@ -10,8 +10,12 @@ On a 2-core machine the replicas share the cores with the ingress and the client
 1 vs 2 replicas shows the Ray path's overhead, not scaling: scaling needs a replica
 per machine (or per GPU).
 
+    specrelay bench --scale-out --out bench-out     # tiny model, 1 vs 2 replicas at 16
     python -m bench.replicas --concurrency 16 --tokens 24 --out /tmp/replicas.json
     python -m bench.replicas --model smollm2-135m --concurrency 16 --tokens 16
+
+:func:`write_report` writes ``replicas.json`` (rows + :data:`NOTE`) and
+``replicas.png`` (tokens/s and verify latency per setup).
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ import time
 import click
 import numpy as np
 
-__all__ = ["tiny_pair", "run"]
+__all__ = ["NOTE", "tiny_pair", "run", "write_report"]
+
+NOTE = ("the replicas share this machine's {cpus} CPU(s) with the ingress and the "
+        "clients: 1 vs 2 replicas shows the Ray path's overhead, not scaling (scaling "
+        "needs a replica per machine or per GPU)")
 
 
 def tiny_pair(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0):
@@ -111,13 +119,64 @@ def run(target, concurrency: int, n: int, replicas=(1, 2)) -> list[dict]:
     from cloud_api.replicas import cluster
 
     prompts = [[2 + (i * 7) % 60, 3 + i % 50, 5] for i in range(concurrency)]
+    import ray
+
     emb, tok = _embedded(target, prompts, n)
     rows = [_row("embedded", emb, None)]
+    started = not ray.is_initialized()
     cluster.connect(num_cpus=os.cpu_count())
-    for k in replicas:
-        rows.append(_row(f"ray x{k}", _replicated(target, k, tok, prompts, n),
-                         emb["outputs"]))
+    try:
+        for k in replicas:
+            rows.append(_row(f"ray x{k}", _replicated(target, k, tok, prompts, n),
+                             emb["outputs"]))
+    finally:
+        if started:                     # the local cluster ends with the run
+            ray.shutdown()
     return rows
+
+
+def write_report(rows: list[dict], out_dir: str, meta: dict) -> list[str]:
+    """``OUT/replicas.json`` (``meta``, the rows, the note) and ``OUT/replicas.png``
+    (aggregate tokens/s and verify p50/p99 in ms per setup). Returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    js, png = os.path.join(out_dir, "replicas.json"), os.path.join(out_dir, "replicas.png")
+    with open(js, "w") as f:
+        json.dump({**meta, "cpus": os.cpu_count(),
+                   "note": NOTE.format(cpus=os.cpu_count()), "rows": rows}, f, indent=1)
+    _plot(rows, png, f"{meta.get('model')}: {meta.get('concurrency')} concurrent clients "
+          f"x {meta.get('tokens')} tokens, {os.cpu_count()} CPUs")
+    return [js, png]
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["setup"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.bar(names, [r["throughput_tok_s"] for r in rows], color="tab:blue")
+    a.set_ylabel("tokens/s (all clients)")
+    x = np.arange(len(rows))
+    b.bar(x - 0.2, [r["verify_p50_ms"] for r in rows], 0.4, label="p50")
+    b.bar(x + 0.2, [r["verify_p99_ms"] for r in rows], 0.4, label="p99")
+    b.set_xticks(x, names)
+    b.set_ylabel("verify latency (ms)")
+    b.legend()
+    fig.suptitle(title + " (overhead, not scaling, on one machine)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict], echo=click.echo) -> None:
+    """The rows as a markdown table, then :data:`NOTE`."""
+    echo("| setup | wall s | tok/s | verify p50 ms | verify p99 ms | identical |")
+    echo("|---|---|---|---|---|---|")
+    for r in rows:
+        echo(f"| {r['setup']} | {r['wall_s']} | {r['throughput_tok_s']} | "
+             f"{r['verify_p50_ms']} | {r['verify_p99_ms']} | {r['identical']} |")
+    echo("note: " + NOTE.format(cpus=os.cpu_count()))
 
 
 @click.command()
@@ -131,11 +190,7 @@ def main(model, concurrency, tokens, replicas, out):
     """Embedded vs Ray replicas under C concurrent target-only clients."""
     target = tiny_pair if model == "tiny" else model
     rows = run(target, concurrency, tokens, [int(x) for x in replicas.split(",")])
-    click.echo("| setup | wall s | tok/s | verify p50 ms | verify p99 ms | identical |")
-    click.echo("|---|---|---|---|---|---|")
-    for r in rows:
-        click.echo(f"| {r['setup']} | {r['wall_s']} | {r['throughput_tok_s']} | "
-                   f"{r['verify_p50_ms']} | {r['verify_p99_ms']} | {r['identical']} |")
+    print_table(rows)
     if out:
         with open(out, "w") as f:
             json.dump({"model": model, "concurrency": concurrency, "tokens": tokens,

@@ -8,6 +8,8 @@ import click
 
 from specrelay_cli.options import DEFAULT_TARGET, DTYPE_CHOICE, DTYPE_HELP
 
+DEFAULT_TOP_N = 20   # cloud_api.scoring.engines.DEFAULT_TOP_N (not imported: fast --help)
+
 __all__ = ["serve"]
 
 
@@ -122,11 +124,71 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
                  + semantic_note(sem))
 
 
+ENGINE_BACKENDS = ("sglang", "vllm")
+
+
+def check_backend_options(backend: str, url: str | None, top_n: int | None,
+                          served: str | None, replicas: int, ray_address: str | None,
+                          early_exit: str, wisv_head: str) -> None:
+    """Refuse ``--backend*`` combinations before anything loads (click.BadParameter
+    naming the option): engine options without an engine backend, an engine backend
+    without its URL, with replicas (the engine scales itself) or with FSD / WISV (they
+    read the target's hidden states)."""
+    if backend == "torch":
+        for hint, value in (("--backend-url", url), ("--backend-top-n", top_n),
+                            ("--backend-model", served)):
+            if value is not None:
+                raise click.BadParameter("applies to --backend sglang|vllm only",
+                                         param_hint=hint)
+        return
+    if not url or not url.startswith(("http://", "https://")):
+        raise click.BadParameter(f"--backend {backend} needs the engine's URL "
+                                 "(http://HOST:PORT)", param_hint="--backend-url")
+    if served is not None and backend != "vllm":
+        raise click.BadParameter("applies to --backend vllm only", param_hint="--backend-model")
+    if replicas > 1 or ray_address:
+        raise click.BadParameter(f"--backend {backend} scales inside the engine: serve "
+                                 "one ingress (--replicas 1, no --ray-address)",
+                                 param_hint="--replicas" if replicas > 1 else "--ray-address")
+    for hint, value, what in (("--early-exit", early_exit, "FSD early verdicts"),
+                              ("--wisv-head", wisv_head, "semantic acceptance")):
+        if value.strip().lower() not in ("auto", "off"):
+            raise click.BadParameter(f"{what} read the target's hidden states: "
+                                     "--backend torch only", param_hint=hint)
+
+
+def _engine_app(*, backend, url, top_n, served, model, dtype, max_batch, max_wait_ms,
+                store, metrics_address, unauth_rpm, **_) -> tuple:
+    """The app verifying through a scoring engine (tokenizer and config of ``model``,
+    no target weights): ``(app, where it verifies)``. Raises FileNotFoundError /
+    OSError / ValueError (unknown model: one line via the CLI's error mapping)."""
+    from cloud_api.app import create_app
+    from cloud_api.scoring.engines import engine_verifier
+
+    verifier, tok = engine_verifier(backend, url, model, top_n, served or model,
+                                    engine_dtype(dtype))
+    app = create_app(None, tok, key_store=store, max_batch=max_batch,
+                     max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
+                     unauth_per_window=unauth_rpm or None, verifier=verifier)
+    return app, (f" through the {backend} engine at {url} (top-{top_n} logprobs per "
+                 f"position: exact for greedy and top_k <= {top_n}; target weights not "
+                 "loaded here)")
+
+
+def engine_dtype(dtype: str) -> str:
+    """The engine's compute dtype as ``--dtype`` names it (auto: bfloat16)."""
+    return "bfloat16" if dtype == "auto" else dtype
+
+
 def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
-               kw: dict) -> tuple:
-    """``(app, where it verifies, early-exit and WISV note)``: the embedded server, or
-    the ingress over Ray replicas (``--replicas`` > 1 or ``--ray-address``; no semantic
-    acceptance there: an explicit ``--wisv-head PATH`` is refused)."""
+               engine: dict | None, kw: dict) -> tuple:
+    """``(app, where it verifies, early-exit and WISV note)``: through a scoring engine
+    (``engine``: backend, url, top_n, served), the embedded server, or the ingress over
+    Ray replicas (``--replicas`` > 1 or ``--ray-address``; no semantic acceptance
+    there: an explicit ``--wisv-head PATH`` is refused)."""
+    if engine is not None:
+        app, where = _engine_app(**engine, **kw)
+        return app, where, ""
     if replicas > 1 or ray_address:
         if wisv["head"].strip().lower() not in ("off", "auto"):
             raise click.BadParameter("semantic acceptance is single-server only "
@@ -186,6 +248,23 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
               "`serve` ingress workers on one cluster share the replicas, the replay "
               "cache and the rate limits). Default with --replicas > 1: start a local "
               "cluster.")
+@click.option("--backend", type=click.Choice(("torch",) + ENGINE_BACKENDS), default="torch",
+              show_default=True, help="Where the target's scores come from: torch = the "
+              "target loaded here (or in each replica); sglang / vllm = a serving engine "
+              "at --backend-url scores context + drafts (top-N logprobs per position) "
+              "and this server applies the acceptance rule. Engine backends load only "
+              "--model's tokenizer and config (the engine must serve that checkpoint), "
+              "verify greedy and top_k <= N exactly and refuse other sampling configs "
+              "(422); --dtype names the engine's dtype (auto: bfloat16); no replicas, "
+              "FSD or WISV.")
+@click.option("--backend-url", default=None, metavar="URL",
+              help="The engine: http://HOST:PORT of `python -m sglang.launch_server` "
+              "(POST /generate) or `vllm serve` (POST /v1/completions).")
+@click.option("--backend-top-n", type=click.IntRange(1, 1000), default=None,
+              help="Logprobs the engine returns per position [default: 20] (vLLM: at "
+              "most its --max-logprobs).")
+@click.option("--backend-model", default=None, metavar="NAME",
+              help="vLLM's served model name [default: --model].")
 @click.option("--wisv-head", default="auto", show_default=True, metavar="PATH|auto|off",
               help="WISV decision head for semantic (lossy) acceptance, which a session "
               "must ask for (acceptance: semantic; greedy only): auto = the shipped head "
@@ -202,8 +281,8 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
               "semantically.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
           insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host,
-          early_exit, replicas, ray_address, wisv_head, wisv_strict, wisv_relaxed,
-          wisv_max_per_block):
+          early_exit, replicas, ray_address, backend, backend_url, backend_top_n,
+          backend_model, wisv_head, wisv_strict, wisv_relaxed, wisv_max_per_block):
     """Serve the signed verification API for a target model.
 
     \b
@@ -221,9 +300,19 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     --ray-address); a replica that dies costs its sessions a re-creation from the
     confirmed prefix (the SDK does it). Streamed verify answers carry the final verdict
     only; /generate (target-only streaming) is single-server only.
+
+    Serving engines: --backend sglang|vllm --backend-url URL verifies through the
+    engine's scores (it holds the weights and the prefix cache; this server holds the
+    sessions, signatures and the acceptance rule), e.g.
+
+    \b
+      specrelay serve --model qwen2.5-coder-1.5b --backend sglang \\
+        --backend-url http://gpu-box:30000
     """
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
+    check_backend_options(backend, backend_url, backend_top_n, backend_model, replicas,
+                          ray_address, early_exit, wisv_head)
     _check_ports(host, port, metrics_host, metrics_port)
     check_wisv_options(wisv_head, wisv_strict, wisv_relaxed)
     import logging
@@ -243,10 +332,14 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
           "metrics_address": metrics_address}
     wisv = {"head": wisv_head, "strict": wisv_strict, "relaxed": wisv_relaxed,
             "max_per_block": wisv_max_per_block}
-    app, where, note = _build_app(replicas, ray_address, early_exit, wisv, kw)
+    engine = None if backend == "torch" else {
+        "backend": backend, "url": backend_url, "served": backend_model,
+        "top_n": backend_top_n or DEFAULT_TOP_N}
+    app, where, note = _build_app(replicas, ray_address, early_exit, wisv, engine, kw)
     metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if \
         metrics_port else ""
-    click.echo(f"serving {model} ({resolve_dtype(dtype)}) on "
+    shown = resolve_dtype(dtype) if engine is None else engine_dtype(dtype)
+    click.echo(f"serving {model} ({shown}) on "
                f"{'https' if ssl_ctx else 'http'}://{host}:{port}{where}; auth: {auth}"
                f"{note}{metrics}", err=True)
     # our structured access log replaces aiohttp's (which would log user agents etc.)

@@ -5,6 +5,7 @@ missing ``ray`` module ends in the one-line error naming it."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import click
 
@@ -25,11 +26,14 @@ def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: i
     ingress worker finds them; they end with the cluster); on a local one they end
     with this process.
     Returns ``(app, description)``. Raises ModuleNotFoundError (no ``[ray]`` extra),
-    click.ClickException (a replica failed to load the target)."""
+    click.ClickException (a replica failed to load the target, or replicas found by
+    name on the cluster serve another model: another name, dtype, config or weights)."""
     from cloud_api.replicas import cluster
     from cloud_api.replicas.ingress import create_replicated_app
     from cloud_api.replicas.shared_state import RayStorage, SharedNonceCache, ingress_state
 
+    if os.path.exists(model):     # one name for the folder, whatever each worker's cwd
+        model = os.path.abspath(model)
     cluster.connect(ray_address)
     click.echo(f"starting {_describe(ray_address, replicas)} ({model}); each loads the "
                "target", err=True)
@@ -38,6 +42,8 @@ def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: i
             model, replicas, num_cpus=threads or 1, dtype=dtype, threads=threads,
             max_batch=max_batch, max_wait_s=max_wait_ms / 1000,
             detached=ray_address is not None))
+    except cluster.ReplicaMismatch as e:   # replicas found by name: another model
+        raise click.ClickException(str(e)) from None
     except Exception as e:   # noqa: BLE001 - a replica's load error, in one line
         raise click.ClickException(f"a verifier replica failed to start: "
                                    f"{str(e).strip().splitlines()[-1]}") from None

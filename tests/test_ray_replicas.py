@@ -1,7 +1,7 @@
 """Verifier replicas on a local Ray cluster behind the signed ingress
 (:mod:`cloud_api.replicas`): greedy output through two replicas equals the embedded
-server's and target-only decoding; every request of a session reaches the replica that
-created it (from either ingress worker); a replay is refused across two ingress apps
+server's and target-only decoding, with sibling trees too; every request of a session
+reaches the replica that created it (from either ingress worker); a replay is refused across two ingress apps
 sharing the nonce cache, and their rate-limit windows are one; a replica killed
 mid-generation costs its sessions a re-creation only (all outputs still target-only).
 Tiny random models; one Ray cluster and one pair of replicas for the module."""
@@ -230,6 +230,36 @@ def test_streamed_verify_bad_input_and_token_budget(deployment):
     st, _, err = asyncio.run(_post(url, path, after(wire.VerifyResponse.decode(out), [9]),
                                    signer))
     assert st == 429 and json.loads(err)["error"]["code"] == "token_rate_limited", err
+
+
+async def _trees(url, prompts, signer=None, siblings=2):
+    """Greedy generations with sibling trees (``siblings`` next-best tokens at the
+    draft's unsure positions): ``(token ids, metrics)`` per prompt."""
+    tok = conftest.tiny_tokenizer()
+    async with EdgeClient(url, TorchDrafter(_draft()), tok, depth=5, chat=False,
+                          signer=signer, siblings=siblings) as c:
+        out = await asyncio.gather(*(c.generate(prompt_ids=p, max_new_tokens=N)
+                                     for p in prompts))
+    return [(r.token_ids, r.metrics) for r in out]
+
+
+def test_sibling_trees_through_two_replicas_equal_embedded(deployment, references):
+    """The ingress advertises the replicas' ``max_tree_rows`` and forwards a block's
+    ``alts`` and the sibling verdict: greedy with siblings=2 over 2 replicas gives the
+    embedded server's (and the target's) output, and siblings were accepted."""
+    raw = _raw(deployment["a"], deployment["signer"])
+    try:
+        made = raw.create(prompt_ids=[3, 4, 5], max_new_tokens=8)
+        assert made["max_tree_rows"] > 0
+    finally:
+        raw.close()
+    ray_out = asyncio.run(_trees(deployment["a"].url, PROMPTS[:4], deployment["signer"]))
+    model, tok = target_pair()
+    with BackgroundServer(create_app(model, tok)) as srv:
+        emb = asyncio.run(_trees(srv.url, PROMPTS[:4]))
+    assert [t for t, _ in ray_out] == [t for t, _ in emb] == references[:4]
+    assert sum(m["sibling_rows"] for _, m in ray_out) > 0
+    assert sum(m["sibling_hits"] for _, m in ray_out) > 0
 
 
 def test_failover_kill_one_replica_mid_generation(deployment, references):

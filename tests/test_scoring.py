@@ -13,7 +13,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from aiohttp import web
 
 from cloud_api.inprocess import InProcessTransport
 from cloud_api.scoring.interface import VerifierBackend
@@ -29,6 +28,7 @@ from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.protocol import wire
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.transport import RemoteError
+from fake_engines import fake_sglang, fake_vllm
 
 N_TOP, V = 20, 64
 PROMPTS = [[4, 5, 6], [9, 3, 7, 2], [11, 12]]
@@ -126,30 +126,9 @@ def test_configs_the_rows_cannot_verify_are_refused(target, tok, sampling, why):
     assert why in err.get("message", "")
 
 
-def _fake_sglang(model) -> web.Application:
-    """``POST /generate`` in SGLang's input-logprob format, scored by ``model``."""
-    async def generate(request):
-        body = await request.json()
-        out = []
-        for ids, start in zip(body["input_ids"], body["logprob_start_len"]):
-            with torch.no_grad():
-                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
-            top = torch.topk(lp, body["top_logprobs_num"], -1)
-            rows = [None] * len(ids)       # rows[i]: the distribution predicting ids[i]
-            for i in range(1, len(ids)):
-                rows[i] = [[float(v), int(t), None] for v, t in
-                           zip(top.values[i - 1], top.indices[i - 1])]
-            out.append({"text": "", "meta_info": {"input_top_logprobs": rows[start:]}})
-        return web.json_response(out)
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    return app
-
-
 def test_sglang_scorer_against_a_fake_engine(target, draft, tok):
     rows = [([4, 5, 6], [7, 8]), ([9, 3], [])]
-    with BackgroundServer(_fake_sglang(target)) as srv:
+    with BackgroundServer(fake_sglang(target)) as srv:
         got = SGLangScorer(srv.url, N_TOP).score(rows)
         want = ModelScorer(target, N_TOP).score(rows)
         assert [[sorted(r) for r in x] for x in got] == [[sorted(r) for r in x] for x in want]
@@ -164,32 +143,10 @@ def test_sglang_scorer_against_a_fake_engine(target, draft, tok):
     assert out == ref
 
 
-def _fake_vllm(model) -> web.Application:
-    """``POST /v1/completions`` with ``prompt_logprobs`` in vLLM's format."""
-    async def completions(request):
-        body = await request.json()
-        choices = []
-        for i, ids in enumerate(body["prompt"]):
-            with torch.no_grad():
-                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
-            top = torch.topk(lp, body["prompt_logprobs"], -1)
-            rows = [None] + [
-                {str(int(t)): {"logprob": float(v), "rank": r + 1}
-                 for r, (v, t) in enumerate(zip(top.values[j - 1], top.indices[j - 1]))}
-                | {str(ids[j]): {"logprob": float(lp[j - 1, ids[j]]), "rank": 99}}
-                for j in range(1, len(ids))]
-            choices.append({"index": i, "text": "", "prompt_logprobs": rows})
-        return web.json_response({"choices": choices})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    return app
-
-
 def test_vllm_scorer_against_a_fake_engine(target, draft, tok):
     from cloud_api.scoring.vllm import VLLMScorer
 
-    with BackgroundServer(_fake_vllm(target)) as srv:
+    with BackgroundServer(fake_vllm(target)) as srv:
         scorer = VLLMScorer(srv.url, "tiny", N_TOP)
         svc = CloudService(None, tok, verifier=_scoring(target, scorer))
         out = asyncio.run(_generate(svc, draft, tok, PROMPTS[:2]))

@@ -14,10 +14,10 @@ import asyncio
 
 import ray
 
-from cloud_api.replicas.replica import SLOTS, VerifierReplica, unwrap
+from cloud_api.replicas.replica import SLOTS, VerifierReplica, target_name, unwrap
 from cloud_api.replicas.router import ReplicaRouter
 
-__all__ = ["NAMESPACE", "connect", "start_replicas", "replica_name"]
+__all__ = ["NAMESPACE", "connect", "ReplicaMismatch", "mismatch", "start_replicas", "replica_name"]
 
 NAMESPACE = "specrelay"
 
@@ -52,8 +52,9 @@ async def start_replicas(target, n: int, *, num_cpus: float = 1.0,
                          prefix: str = "specrelay-verifier", detached: bool = False,
                          **service_kw) -> tuple[ReplicaRouter, dict]:
     """Spawn (or find, by name) ``n`` replicas of ``target`` and wait until each has
-    loaded it. Returns ``(router, info)``, ``info`` the replicas' common
-    vocab_size / max_block / tokenizer_hash.
+    loaded it. Returns ``(router, info)``, ``info`` the first replica's ``info()``
+    less its slot (vocab_size, max_block, tokenizer_hash, model, config_sha,
+    weights_sha), on which all agree.
 
     Args:
         target: model spec or picklable factory
@@ -64,7 +65,9 @@ async def start_replicas(target, n: int, *, num_cpus: float = 1.0,
             with it.
         service_kw: :class:`VerifierReplica` options (dtype, threads, max_batch, ...).
     Raises:
-        ValueError: ``n`` out of range, or replicas that disagree on the target.
+        ValueError: ``n`` out of range.
+        ReplicaMismatch: replicas that disagree on the model (:func:`mismatch`:
+            vocabulary, block size, tokenizer, config or weights).
         ray.exceptions.RayActorError: a replica died while loading (its error inside).
     """
     if not 1 <= n <= SLOTS:
@@ -73,8 +76,40 @@ async def start_replicas(target, n: int, *, num_cpus: float = 1.0,
                for i in range(n)}
     infos = [unwrap(r) for r in await asyncio.gather(
         *(h.info.remote() for h in handles.values()))]
-    common = [{k: v for k, v in i.items() if k != "slot"} for i in infos]
-    if any(c != common[0] for c in common):
-        raise ValueError("replicas serve different targets (vocabulary, block size or "
-                         "tokenizer differ)")
-    return ReplicaRouter(handles), common[0]
+    why = mismatch(infos, {"model": target_name(target),
+                           "dtype": service_kw.get("dtype", "float32")})
+    if why:
+        raise ReplicaMismatch(why)
+    return ReplicaRouter(handles), {k: v for k, v in infos[0].items() if k != "slot"}
+
+
+class ReplicaMismatch(ValueError):
+    """Replicas of one deployment serve different models (the message says how)."""
+
+
+IDENTITY = ("vocab_size", "max_block", "tokenizer_hash", "config_sha", "weights_sha")
+"""The ``info()`` fields on which every replica of a deployment must agree."""
+
+
+def mismatch(infos: list[dict], expect: dict) -> str | None:
+    """None when every replica's ``info()`` has the ``expect``-ed values (model name,
+    dtype: what this ingress was asked to serve) and agrees with the first one's on
+    :data:`IDENTITY`; else a one-line reason naming the replica and the field (a
+    replica found by name on the cluster was started with another model, dtype or
+    max_block)."""
+    first = infos[0]
+    for info in infos:
+        for field, want in expect.items():
+            if info.get(field) != want:
+                return (f"verifier replica {info['slot']} on the cluster serves {field} "
+                        f"{info.get(field)!r}, not the {want!r} asked for: stop it "
+                        "(ray.kill, or restart the cluster) or serve what it serves")
+    for info in infos[1:]:
+        for field in IDENTITY:
+            if info.get(field) != first.get(field):
+                return (f"verifier replica {info['slot']} serves a different model than "
+                        f"replica {first['slot']}: {field} {info.get(field)} != "
+                        f"{first.get(field)} ({info.get('model')} vs {first.get('model')});"
+                        " replicas of that name already on the cluster were started with "
+                        "another target: kill them (ray.kill) or restart the cluster")
+    return None

@@ -9,5 +9,8 @@
 * scorers: :class:`~cloud_api.scoring.sglang.SGLangScorer` (SGLang ``/generate`` with
   input logprobs), :class:`~cloud_api.scoring.vllm.VLLMScorer` (vLLM completions with
   prompt logprobs), :class:`~cloud_api.scoring.local.ModelScorer` (a local HF model's
-  top-N: tests and the conformance check).
+  top-N: tests and the conformance check);
+* :mod:`~cloud_api.scoring.engines`: the verifier of ``specrelay serve --backend
+  sglang|vllm`` (scorer + the target's shape from its config, no weights). The engine
+  clients are plain HTTP (the standard library): no extra to install.
 """
