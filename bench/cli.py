@@ -42,14 +42,12 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out",
               show_default=True, help="Output folder: results.json, summary.md, *.png, "
               "requests.jsonl.")
-@click.option("--quick", is_flag=True, help="A ~4-minute run: modes cloud-ar, standard-sd, "
-              "specrelay on profiles weak, cellular-edge, strong; 1 greedy prompt per "
-              "workload; 20 new tokens; the adaptive modes (caac, fixed-1/2/4, "
-              "stop-and-wait, ipdg, npdg) on humaneval over medium and medium+slow (3x "
-              "slower draft from 1.5 s into each run); the pipeline and its baselines "
-              "(no-pipeline, runahead, standard-sd-concurrent) at 8 concurrent requests x "
-              "16 tokens, depth 1, on mtbench, weak and strong. Explicit options override "
-              "these.")
+@click.option("--quick", is_flag=True, help="A <= 10-minute run (2 quiet cores) of 4 greedy "
+              "HumanEval prompts x 32 tokens per cell: cloud-ar, standard-sd, specrelay, "
+              "sr-ahead, stop-and-wait, ipdg, npdg and the llama.cpp peers on medium; caac "
+              "and fixed-3/5 on medium and medium+slow (3x slower draft from 3 s into each "
+              "run); the pipeline and its baselines at 8 concurrent requests x 16 tokens, "
+              "depth 1, on weak. Explicit options override these.")
 @click.option("--modes", default=None, help="Comma list of modes "
               f"[default: {_DEFAULTS['modes']}]. See --list-modes.")
 @click.option("--profiles", default=None,
