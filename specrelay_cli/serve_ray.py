@@ -13,8 +13,8 @@ __all__ = ["serve_replicated"]
 
 def _describe(ray_address: str | None, n: int, dead: int = 0) -> str:
     where = f"Ray cluster {ray_address}" if ray_address else "a local Ray cluster"
-    return (f"{n} verifier replica{'' if n == 1 else 's'} on {where} (Ray Serve "
-            "application specrelay-verifier)")
+    return (f"{n} verifier replica{'' if n == 1 else 's'} on {where}, Ray Serve "
+            "application specrelay-verifier")
 
 
 def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: int,

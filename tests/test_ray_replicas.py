@@ -279,6 +279,28 @@ def test_sibling_trees_through_two_replicas_equal_embedded(deployment, reference
     assert sum(m["sibling_hits"] for _, m in ray_out) > 0
 
 
+def test_simultaneous_creates_spread_over_replicas(deployment):
+    """8 creates sent at once through one ingress land 4 and 4: the router counts the
+    creates it placed (in flight included) on top of each replica's last routing
+    stats, so a burst does not herd onto the replica that looked emptiest."""
+    url, signer = deployment["a"].url, deployment["signer"]
+
+    async def burst():
+        return await asyncio.gather(*(_post(url, "/v1/sessions", wire.pack(
+            {"prompt_ids": [3, 4, i], "max_new_tokens": 4}), signer) for i in range(8)))
+
+    made = asyncio.run(burst())
+    assert all(st == 201 for st, _, _ in made), made
+    sids = [wire.unpack(body)["session_id"] for _, _, body in made]
+    raw = _raw(deployment["a"], signer)
+    try:
+        assert sorted(slot_of(s) for s in sids) == [0] * 4 + [1] * 4
+    finally:
+        for sid in sids:
+            raw("DELETE", f"/v1/sessions/{sid}")
+        raw.close()
+
+
 def test_failover_kill_one_replica_mid_generation(deployment, references):
     """8 concurrent greedy sessions over 2 replicas; the Serve replica of slot 1 is
     killed (its actor, found by the name it reports) once it has run some passes:
@@ -306,7 +328,13 @@ def test_failover_kill_one_replica_mid_generation(deployment, references):
             "specrelay_requests_total",
             {"endpoint": "POST /v1/sessions/{sid}/verify", "status": "404"}) or 0.0
 
-    before = evicted_answers()
+    def server_errors() -> float:
+        """Answers 500 of any endpoint (a replica dying mid-call must not cause one)."""
+        return sum(s.value for m in deployment["app"][METRICS].registry.collect()
+                   if m.name == "specrelay_requests" for s in m.samples
+                   if s.name.endswith("_total") and s.labels.get("status") == "500")
+
+    before, errors_before = evicted_answers(), server_errors()
     *out, at_kill = asyncio.run(_run_all(deployment["a"].url, PROMPTS,
                                          deployment["signer"], during=kill_mid_generation,
                                          keep_during=True))
@@ -314,6 +342,7 @@ def test_failover_kill_one_replica_mid_generation(deployment, references):
     assert all(r.finish_reason in ("length", "stop") for r in out)
     assert at_kill["sessions"] >= 2                       # killed with open sessions
     assert evicted_answers() - before >= 1    # ... which were answered 404 and re-created
+    assert server_errors() == errors_before
     deadline = time.monotonic() + 60                      # Serve restarts a replica
     while len(live := asyncio.run(client.live_slots())) < 2:
         assert time.monotonic() < deadline, live

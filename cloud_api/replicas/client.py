@@ -114,8 +114,13 @@ class ReplicaClient:
             raise _evicted() from None
 
     async def live_slots(self) -> dict[int, tuple[int, str]]:
-        """slot -> ``(generation, Serve actor name)`` of the live replicas."""
-        return await self.registry.live.remote()
+        """slot -> ``(generation, Serve actor name)`` of the live replicas ({} when
+        the registry actor cannot be reached)."""
+        try:
+            return await self.registry.live.remote()
+        except ray.exceptions.RayError:
+            log.warning("the replica registry of %s is unreachable", self.app)
+            return {}
 
     async def broadcast(self, method: str, slots=None) -> dict[int, object]:
         """``method(slot)`` of every live replica (or of ``slots``): slot -> value (a
