@@ -306,8 +306,15 @@ def test_failover_kill_one_replica_mid_generation(deployment, references):
     killed (its actor, found by the name it reports) once it has run some passes:
     every output is still target-only (none lost, none duplicated, all finished), its
     sessions were answered 404 and re-created, and Serve restarted a replica that took
-    a free slot with a new generation. Runs last."""
+    a free slot with a new generation; an idle session of the victim answers 404
+    ``session_evicted`` through the ingress afterwards. Runs last."""
     client = deployment["client"]
+    raw = _raw(deployment["a"], deployment["signer"])
+    idle = None
+    for _ in range(4):                                    # an idle session on slot 1
+        sid = raw.create(prompt_ids=[3, 4], max_new_tokens=4)["session_id"]
+        idle = sid if slot_of(sid) == 1 else idle
+    assert idle is not None
     base = _on(client, 1, "stats", 1)
     victim = base["replica"]
 
@@ -349,6 +356,9 @@ def test_failover_kill_one_replica_mid_generation(deployment, references):
         time.sleep(0.5)
     assert victim not in {name for _, name in live.values()}
     assert live[1][0] != base["generation"]              # slot 1 again: a new generation
+    st, body = raw("GET", f"/v1/sessions/{idle}")
+    raw.close()
+    assert st == 404 and json.loads(body)["error"]["code"] == "session_evicted", body
 
 
 def test_serve_help_documents_replicas_and_a_missing_extra_is_one_line():

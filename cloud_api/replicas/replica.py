@@ -39,6 +39,10 @@ SLOTS = 256
 GENERATIONS = 256
 """Generations per slot are 1..GENERATIONS-1 (0: never issued), cycling."""
 
+STATS_REFRESH_S = 10.0
+"""Seconds the routing stats stay the same while the session count does (each change
+is a broadcast from the Serve controller to every handle)."""
+
 
 def placement_of(sid_text) -> tuple[int, int] | None:
     """``(slot, generation)`` a session id names; None for a text that is not an id of
@@ -177,6 +181,7 @@ class VerifierReplica:
         self.svc = CloudService(model, tok, threads=threads, **service_kw)
         self.svc.sessions.new_id = self._new_id
         self._running = False
+        self._routing: dict = {}
         self.slot, self.generation, self.name = register(registry)
 
     # -- Serve hooks ----------------------------------------------------------------
@@ -188,10 +193,13 @@ class VerifierReplica:
 
     async def record_routing_stats(self) -> dict:
         """Serve hook (every ``request_routing_stats_period_s``): open ``sessions`` and
-        the wall-clock second ``at`` which they were counted (the router adds the creates
-        it placed here since)."""
+        the wall-clock second ``at`` they were counted (the router adds the creates it
+        placed here since). Unchanged while the count is, for up to STATS_REFRESH_S."""
         self.svc.sessions.expire()
-        return {"sessions": len(self.svc.sessions), "at": time.time()}
+        n, now = len(self.svc.sessions), time.time()
+        if self._routing.get("sessions") != n or now - self._routing["at"] > STATS_REFRESH_S:
+            self._routing = {"sessions": n, "at": now}
+        return self._routing
 
     # -- ids ------------------------------------------------------------------------
     def _new_id(self) -> int:
