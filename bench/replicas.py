@@ -1,5 +1,6 @@
 """Scale-out bench: the same concurrent target-only load through one embedded server
-and through the Ray ingress over 1 and 2 verifier replicas (:mod:`cloud_api.replicas`).
+and through the Ray ingress over 1 and 2 verifier replicas on Ray Serve
+(:mod:`cloud_api.replicas`).
 
 Each of C clients generates N greedy tokens with the target alone (blocks of depth 0:
 one verify request per token, the heaviest request rate per token), every client's
@@ -97,21 +98,19 @@ def _embedded(target, prompts, n) -> dict:
 
 
 def _replicated(target, k: int, tok, prompts, n) -> dict:
-    import ray
-
     from cloud_api.replicas import cluster
     from cloud_api.replicas.ingress import create_replicated_app
     from cloud_api.server import BackgroundServer
 
-    router, info = asyncio.run(cluster.start_replicas(
-        target, k, num_cpus=0, prefix=f"bench-{k}", threads=1, max_batch=16))
+    app = f"bench-{k}"
+    client, info = cluster.start_replicas(target, k, app=app, num_cpus=0, threads=1,
+                                          max_batch=16)
     try:
-        with BackgroundServer(create_replicated_app(router, info)) as srv:
+        with BackgroundServer(create_replicated_app(client, info)) as srv:
             asyncio.run(_clients(srv.url, tok, prompts[:1], 2))         # warm-up
             return asyncio.run(_clients(srv.url, tok, prompts, n))
     finally:
-        for h in router.handles.values():
-            ray.kill(h)
+        cluster.stop_replicas(app)
 
 
 def run(target, concurrency: int, n: int, replicas=(1, 2)) -> list[dict]:
@@ -131,7 +130,7 @@ def run(target, concurrency: int, n: int, replicas=(1, 2)) -> list[dict]:
                              emb["outputs"]))
     finally:
         if started:                     # the local cluster ends with the run
-            ray.shutdown()
+            cluster.shutdown()
     return rows
 
 

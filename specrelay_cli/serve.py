@@ -184,7 +184,7 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
                engine: dict | None, kw: dict) -> tuple:
     """``(app, where it verifies, early-exit and WISV note)``: through a scoring engine
     (``engine``: backend, url, top_n, served), the embedded server, or the ingress over
-    Ray replicas (``--replicas`` > 1 or ``--ray-address``; no semantic acceptance
+    Ray Serve replicas (``--replicas`` > 1 or ``--ray-address``; no semantic acceptance
     there: an explicit ``--wisv-head PATH`` is refused)."""
     if engine is not None:
         app, where = _engine_app(**engine, **kw)
@@ -239,15 +239,17 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
               "(specrelay fsd calibrate), else off; fit = fit it now if missing (about a "
               "minute); LAYER = that decoder layer. Single server only (--replicas 1).")
 @click.option("--replicas", type=click.IntRange(1, 256), default=1, show_default=True,
-              help="Verifier replicas on Ray (needs the [ray] extra), each loading the "
-              "target and holding its own sessions; this server stays the signed ingress "
-              "and sends every request of a session to its replica. 1 without "
+              help="Verifier replicas on Ray Serve (needs the [ray] extra), each loading "
+              "the target and holding its own sessions; this server stays the signed "
+              "ingress and a session-affine Serve router sends every request of a "
+              "session to its replica (Serve restarts a replica that dies). 1 without "
               "--ray-address: one embedded server, no Ray.")
 @click.option("--ray-address", default=None, metavar="HOST:PORT|auto",
               help="Join this Ray cluster (replicas go where it has CPUs; several "
-              "`serve` ingress workers on one cluster share the replicas, the replay "
-              "cache and the rate limits). Default with --replicas > 1: start a local "
-              "cluster.")
+              "`serve` ingress workers on one cluster share the replicas (the Serve "
+              "application specrelay-verifier, reused when it serves the same model), "
+              "the replay cache and the rate limits). Default with --replicas > 1: "
+              "start a local cluster.")
 @click.option("--backend", type=click.Choice(("torch",) + ENGINE_BACKENDS), default="torch",
               show_default=True, help="Where the target's scores come from: torch = the "
               "target loaded here (or in each replica); sglang / vllm = a serving engine "
@@ -296,10 +298,11 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     Each request is logged on stderr as one JSON line: endpoint, status, seconds,
     bytes_in, key_id, session (never prompts, tokens or secrets).
 
-    Scale-out: --replicas N runs N verifier replicas on Ray (local cluster, or
-    --ray-address); a replica that dies costs its sessions a re-creation from the
-    confirmed prefix (the SDK does it). Streamed verify answers carry the final verdict
-    only; /generate (target-only streaming) is single-server only.
+    Scale-out: --replicas N runs N verifier replicas on Ray Serve (local cluster, or
+    --ray-address); a replica that dies is restarted by Serve and costs its sessions a
+    re-creation from the confirmed prefix (the SDK does it). Streamed verify answers
+    carry the final verdict only; /generate (target-only streaming) is single-server
+    only.
 
     Serving engines: --backend sglang|vllm --backend-url URL verifies through the
     engine's scores (it holds the weights and the prefix cache; this server holds the

@@ -1,10 +1,9 @@
 """``specrelay serve --replicas N`` / ``--ray-address``: the signed ingress in front of
-N verifier replicas on Ray (:mod:`cloud_api.replicas`). Needs the ``[ray]`` extra: a
-missing ``ray`` module ends in the one-line error naming it."""
+N verifier replicas on Ray Serve (:mod:`cloud_api.replicas`). Needs the ``[ray]``
+extra: a missing ``ray`` module ends in the one-line error naming it."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import click
@@ -14,20 +13,22 @@ __all__ = ["serve_replicated"]
 
 def _describe(ray_address: str | None, n: int, dead: int = 0) -> str:
     where = f"Ray cluster {ray_address}" if ray_address else "a local Ray cluster"
-    return f"{n} verifier replica{'' if n == 1 else 's'} on {where}"
+    return (f"{n} verifier replica{'' if n == 1 else 's'} on {where}, Ray Serve "
+            "application specrelay-verifier")
 
 
 def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: int,
                      ray_address: str | None, max_batch: int, max_wait_ms: float,
                      store, metrics_address, unauth_rpm: int) -> tuple:
-    """Connect to Ray (``ray_address``; None: start a local cluster), spawn (or find,
-    by name) ``replicas`` replicas loading ``model`` each, and build the ingress app.
-    On an existing cluster the replicas and the shared state are detached (the next
-    ingress worker finds them; they end with the cluster); on a local one they end
-    with this process.
+    """Connect to Ray (``ray_address``; None: start a local cluster), deploy (or find,
+    by Serve application name) ``replicas`` replicas loading ``model`` each, and build
+    the ingress app. On an existing cluster the Serve application and the shared state
+    outlive this process (the next ingress worker finds them; they end with the
+    cluster or ``serve.delete``); on a local one they end with this process.
     Returns ``(app, description)``. Raises ModuleNotFoundError (no ``[ray]`` extra),
-    click.ClickException (a replica failed to load the target, or replicas found by
-    name on the cluster serve another model: another name, dtype, config or weights)."""
+    click.ClickException (a replica failed to load the target, or the replicas found
+    on the cluster serve another model: another name, spec, dtype, config or
+    weights)."""
     from cloud_api.replicas import cluster
     from cloud_api.replicas.ingress import create_replicated_app
     from cloud_api.replicas.shared_state import RayStorage, SharedNonceCache, ingress_state
@@ -38,11 +39,10 @@ def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: i
     click.echo(f"starting {_describe(ray_address, replicas)} ({model}); each loads the "
                "target", err=True)
     try:
-        router, info = asyncio.run(cluster.start_replicas(
+        client, info = cluster.start_replicas(
             model, replicas, num_cpus=threads or 1, dtype=dtype, threads=threads,
-            max_batch=max_batch, max_wait_s=max_wait_ms / 1000,
-            detached=ray_address is not None))
-    except cluster.ReplicaMismatch as e:   # replicas found by name: another model
+            max_batch=max_batch, max_wait_s=max_wait_ms / 1000)
+    except cluster.ReplicaMismatch as e:   # replicas found on the cluster: another model
         raise click.ClickException(str(e)) from None
     except Exception as e:   # noqa: BLE001 - a replica's load error, in one line
         raise click.ClickException(f"a verifier replica failed to start: "
@@ -51,7 +51,7 @@ def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: i
     if store is not None:
         state = ingress_state(detached=ray_address is not None)
         shared = {"nonce_cache": SharedNonceCache(state), "storage": RayStorage(handle=state)}
-    app = create_replicated_app(router, info, key_store=store,
+    app = create_replicated_app(client, info, key_store=store,
                                 unauth_per_window=unauth_rpm or None,
                                 metrics_address=metrics_address, **shared)
     return app, _describe(ray_address, replicas)

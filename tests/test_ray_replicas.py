@@ -1,10 +1,12 @@
-"""Verifier replicas on a local Ray cluster behind the signed ingress
+"""Verifier replicas on Ray Serve (a local Ray cluster) behind the signed ingress
 (:mod:`cloud_api.replicas`): greedy output through two replicas equals the embedded
 server's and target-only decoding, with sibling trees too; every request of a session
-reaches the replica that created it (from either ingress worker); a replay is refused across two ingress apps
-sharing the nonce cache, and their rate-limit windows are one; a replica killed
-mid-generation costs its sessions a re-creation only (all outputs still target-only).
-Tiny random models; one Ray cluster and one pair of replicas for the module."""
+reaches the replica that created it (from either ingress worker: the deployment's
+session-affine request router); a replay is refused across two ingress apps sharing
+the nonce cache, and their rate-limit windows are one; a replica killed
+mid-generation is restarted by Serve and costs its sessions a re-creation only (all
+outputs still target-only). Tiny random models; one Ray cluster and one Serve
+application of two replicas for the module."""
 
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from cloud_api.keys import SQLiteKeyStore  # noqa: E402
 from cloud_api.metrics import METRICS  # noqa: E402
 from cloud_api.replicas import cluster  # noqa: E402
 from cloud_api.replicas.ingress import create_replicated_app  # noqa: E402
-from cloud_api.replicas.replica import slot_of, unwrap  # noqa: E402
+from cloud_api.replicas.client import actor_of  # noqa: E402
+from cloud_api.replicas.replica import placement_of, slot_of  # noqa: E402
+from cloud_api.replicas.router import slot_key  # noqa: E402
 from cloud_api.replicas.shared_state import (RayStorage, SharedNonceCache,  # noqa: E402
                                              ingress_state)
 from cloud_api.server import BackgroundServer  # noqa: E402
@@ -48,8 +52,9 @@ def target_pair():
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    """Local Ray cluster, two replicas, shared ingress state, two signed ingress apps
-    (A, B: two workers' routers over the same named replicas) and a key."""
+    """Local Ray cluster, a Serve application of two replicas, shared ingress state,
+    two signed ingress apps (A, B: two workers' handles on the same application, the
+    second one found by name) and a key."""
     # the workers import this module for target_pair (and the repository first)
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -63,16 +68,16 @@ def deployment(tmp_path_factory):
     state = ingress_state("test-ingress-state")
     apps = []
     for _ in range(2):
-        router, info = asyncio.run(cluster.start_replicas(target_pair, 2, num_cpus=1,
-                                                           prefix="test-verifier"))
-        apps.append((router, create_replicated_app(
-            router, info, key_store=store, nonce_cache=SharedNonceCache(state),
+        client, info = cluster.start_replicas(target_pair, 2, num_cpus=1,
+                                              app="test-verifier")
+        apps.append((client, create_replicated_app(
+            client, info, key_store=store, nonce_cache=SharedNonceCache(state),
             storage=RayStorage(handle=state))))
     with BackgroundServer(apps[0][1]) as a, BackgroundServer(apps[1][1]) as b:
-        yield {"a": a, "b": b, "router": apps[0][0], "signer": Signer.from_api_key(raw),
+        yield {"a": a, "b": b, "client": apps[0][0], "signer": Signer.from_api_key(raw),
                "owner": key.key_id, "app": apps[0][1],
                "tight": Signer.from_api_key(tight), "tpm": Signer.from_api_key(tpm)}
-    ray.shutdown()
+    cluster.shutdown()
     if saved is None:
         os.environ.pop("PYTHONPATH", None)
     else:
@@ -128,26 +133,38 @@ def _raw(srv, signer):
     return conftest.RawHTTP(srv.url, signer)
 
 
+def _on(client, slot: int, method: str, *args):
+    """``method(*args)`` on the replica of ``slot`` (a slot-addressed call)."""
+    return asyncio.run(client.call(slot_key(slot), method, *args))
+
+
 def test_session_affinity_from_either_ingress(deployment):
     """Sessions spread over both replicas (least loaded); each is answered by the
-    replica its id names, through ingress B as through A; the other replica does not
-    know it."""
+    replica its id names, through ingress B as through A (a handle of its own, so a
+    router of its own); that replica holds it, and a call of it that lands on the
+    other replica is refused there (404)."""
+    from cloud_api.sessions import ApiError
+
     a, b = _raw(deployment["a"], deployment["signer"]), _raw(deployment["b"],
                                                              deployment["signer"])
-    router = deployment["router"]
+    client, owner = deployment["client"], deployment["owner"]
     try:
+        before = {s: _on(client, s, "stats", s)["sessions"] for s in (0, 1)}
         sids = [a.create(prompt_ids=[3, 4, 5], max_new_tokens=8)["session_id"]
                 for _ in range(4)]
         assert sorted(slot_of(s) for s in sids) == [0, 0, 1, 1]
         for sid in sids:
             assert b.state(sid)["session_id"] == sid          # routed by the id
             mine, other = slot_of(sid), 1 - slot_of(sid)
-            h, owner = router.handles, deployment["owner"]
-            assert unwrap(ray.get(h[mine].state.remote(sid, owner)))["session_id"] == sid
-            st = ray.get(h[other].state.remote(sid, owner))
-            assert st[0] == "err" and st[1][0] == 404
+            assert _on(client, mine, "info", mine)["generation"] == placement_of(sid)[1]
+            with pytest.raises(ApiError) as e:               # a session of another slot
+                asyncio.run(client.call(slot_key(other), "state", sid, owner))
+            assert e.value.status == 404
+        after = {s: _on(client, s, "stats", s)["sessions"] for s in (0, 1)}
+        assert {s: after[s] - before[s] for s in (0, 1)} == {0: 2, 1: 2}
         health = json.loads(b("GET", "/healthz")[1])
         assert health["replicas"] == 2 and health["sessions"] >= 4
+        assert health["replicas_dead"] == 0
     finally:
         a.close()
         b.close()
@@ -262,26 +279,55 @@ def test_sibling_trees_through_two_replicas_equal_embedded(deployment, reference
     assert sum(m["sibling_hits"] for _, m in ray_out) > 0
 
 
-def test_failover_kill_one_replica_mid_generation(deployment, references):
-    """8 concurrent greedy sessions over 2 replicas; replica 1 is killed once it has
-    run some passes: every output is still target-only (none lost, none duplicated,
-    all finished) and its sessions were re-created on replica 0. Runs last: it leaves
-    one replica."""
-    router = deployment["router"]
-    victim = router.handles[1]
+def test_simultaneous_creates_spread_over_replicas(deployment):
+    """8 creates sent at once through one ingress land 4 and 4: the router counts the
+    creates it placed (in flight included) on top of each replica's last routing
+    stats, so a burst does not herd onto the replica that looked emptiest."""
+    url, signer = deployment["a"].url, deployment["signer"]
 
-    base = unwrap(ray.get(victim.stats.remote()))
+    async def burst():
+        return await asyncio.gather(*(_post(url, "/v1/sessions", wire.pack(
+            {"prompt_ids": [3, 4, i], "max_new_tokens": 4}), signer) for i in range(8)))
+
+    made = asyncio.run(burst())
+    assert all(st == 201 for st, _, _ in made), made
+    sids = [wire.unpack(body)["session_id"] for _, _, body in made]
+    raw = _raw(deployment["a"], signer)
+    try:
+        assert sorted(slot_of(s) for s in sids) == [0] * 4 + [1] * 4
+    finally:
+        for sid in sids:
+            raw("DELETE", f"/v1/sessions/{sid}")
+        raw.close()
+
+
+def test_failover_kill_one_replica_mid_generation(deployment, references):
+    """8 concurrent greedy sessions over 2 replicas; the Serve replica of slot 1 is
+    killed (its actor, found by the name it reports) once it has run some passes:
+    every output is still target-only (none lost, none duplicated, all finished), its
+    sessions were answered 404 and re-created, and Serve restarted a replica that took
+    a free slot with a new generation; an idle session of the victim answers 404
+    ``session_evicted`` through the ingress afterwards. Runs last."""
+    client = deployment["client"]
+    raw = _raw(deployment["a"], deployment["signer"])
+    idle = None
+    for _ in range(4):                                    # an idle session on slot 1
+        sid = raw.create(prompt_ids=[3, 4], max_new_tokens=4)["session_id"]
+        idle = sid if slot_of(sid) == 1 else idle
+    assert idle is not None
+    base = _on(client, 1, "stats", 1)
+    victim = base["replica"]
 
     async def kill_mid_generation():
         """Kill the victim once it holds >= 2 new sessions and ran 6 passes for them;
         returns its stats then (relative to before the run)."""
         for _ in range(1000):
-            st = unwrap(await victim.stats.remote())
+            st = await client.call(slot_key(1), "stats", 1)
             st = {k: st[k] - base[k] for k in ("sessions", "passes")}
             if st["sessions"] >= 2 and st["passes"] >= 6:
                 break
             await asyncio.sleep(0.01)
-        ray.kill(victim, no_restart=True)
+        ray.kill(actor_of(victim), no_restart=True)
         return st
 
     def evicted_answers() -> float:
@@ -289,14 +335,30 @@ def test_failover_kill_one_replica_mid_generation(deployment, references):
             "specrelay_requests_total",
             {"endpoint": "POST /v1/sessions/{sid}/verify", "status": "404"}) or 0.0
 
-    before = evicted_answers()
+    def server_errors() -> float:
+        """Answers 500 of any endpoint (a replica dying mid-call must not cause one)."""
+        return sum(s.value for m in deployment["app"][METRICS].registry.collect()
+                   if m.name == "specrelay_requests" for s in m.samples
+                   if s.name.endswith("_total") and s.labels.get("status") == "500")
+
+    before, errors_before = evicted_answers(), server_errors()
     *out, at_kill = asyncio.run(_run_all(deployment["a"].url, PROMPTS,
                                          deployment["signer"], during=kill_mid_generation,
                                          keep_during=True))
     assert [r.token_ids for r in out] == references      # none lost, none duplicated
     assert all(r.finish_reason in ("length", "stop") for r in out)
-    assert at_kill["sessions"] >= 2 and router.dead == {1}   # killed with open sessions
+    assert at_kill["sessions"] >= 2                       # killed with open sessions
     assert evicted_answers() - before >= 1    # ... which were answered 404 and re-created
+    assert server_errors() == errors_before
+    deadline = time.monotonic() + 60                      # Serve restarts a replica
+    while len(live := asyncio.run(client.live_slots())) < 2:
+        assert time.monotonic() < deadline, live
+        time.sleep(0.5)
+    assert victim not in {name for _, name in live.values()}
+    assert live[1][0] != base["generation"]              # slot 1 again: a new generation
+    st, body = raw("GET", f"/v1/sessions/{idle}")
+    raw.close()
+    assert st == 404 and json.loads(body)["error"]["code"] == "session_evicted", body
 
 
 def test_serve_help_documents_replicas_and_a_missing_extra_is_one_line():
@@ -309,6 +371,7 @@ def test_serve_help_documents_replicas_and_a_missing_extra_is_one_line():
 
     out = CliRunner().invoke(specrelay_cli.main, ["serve", "--help"]).output
     assert "--replicas" in out and "--ray-address" in out and "[ray]" in out
+    assert "Ray Serve" in out
     probe = ("import socket, sys; sys.modules['ray'] = None\n"
              "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; "
              "s.close()\n"
@@ -327,18 +390,18 @@ class _Method:
         self.remote = fn
 
 
-def test_a_slow_replica_answers_503_and_a_lost_nonce_store_fails_closed():
-    """No hang: a replica call past ``call_timeout_s`` is a retryable 503; a shared
-    nonce cache whose actor is gone answers None (the auth middleware's 503), never
-    "fresh"."""
-    from cloud_api.replicas.router import ReplicaRouter
+def test_a_slow_replica_answers_503_and_a_lost_nonce_store_fails_closed(deployment):
+    """No hang: a replica call past ``call_timeout_s`` is a retryable 503 (a real
+    replica, a timeout shorter than any Ray round trip); a shared nonce cache whose
+    actor is gone answers None (the auth middleware's 503), never "fresh"."""
+    from cloud_api.replicas.client import ReplicaClient
     from cloud_api.sessions import ApiError
 
-    async def slow(*args):
-        await asyncio.sleep(5)
-
-    class Slow:
-        stats = _Method(slow)
+    c = deployment["client"]
+    hasty = ReplicaClient(c.handle, c.registry, call_timeout_s=1e-6)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(hasty.call(slot_key(0), "stats", 0))
+    assert e.value.status == 503 and e.value.code == "replica_timeout"
 
     async def lost(*args):
         raise ray.exceptions.RayActorError()
@@ -346,8 +409,4 @@ def test_a_slow_replica_answers_503_and_a_lost_nonce_store_fails_closed():
     class Lost:
         check_and_add = _Method(lost)
 
-    router = ReplicaRouter({0: Slow()}, call_timeout_s=0.05)
-    with pytest.raises(ApiError) as e:
-        asyncio.run(router.call(0, "stats"))
-    assert e.value.status == 503 and e.value.code == "replica_timeout"
     assert asyncio.run(SharedNonceCache(Lost()).check_and_add("k", "n", 0.0)) is None

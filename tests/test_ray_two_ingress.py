@@ -1,10 +1,10 @@
 """Two ``specrelay serve --ray-address`` ingress *processes* on one Ray cluster: they
-share the verifier replicas (a session created through A is read through B), the
-replay (nonce) cache (a signed request accepted by A is refused when replayed to B)
-and the rate-limit windows (a key's rpm spans both). Replicas found by name that serve
-another model are refused in one line. A tiny random model saved to a folder (the
-``--model DIR`` a user would pass); the cluster is this test process's, so it ends
-with the module."""
+share the verifier replicas (one Ray Serve application: a session created through A
+is read through B), the replay (nonce) cache (a signed request accepted by A is
+refused when replayed to B) and the rate-limit windows (a key's rpm spans both). A
+Serve application found by name that serves another model is refused in one line,
+never redeployed. A tiny random model saved to a folder (the ``--model DIR`` a user
+would pass); the cluster is this test process's, so it ends with the module."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def ray_cluster():
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
-        ray.shutdown()
+        cluster.shutdown()
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
@@ -103,24 +103,26 @@ def test_two_ingress_processes_share_replicas_replay_cache_and_rate_limits(two_i
 
 
 def test_replicas_found_by_name_serving_another_model_are_refused(ray_cluster):
-    """Same vocabulary and tokenizer, other weights: refused, naming the weights; a
-    spec other than the one a found replica serves: refused, naming the model."""
-    async def start(target, n, prefix):
-        return await cluster.start_replicas(target, n, num_cpus=0, prefix=prefix)
+    """An application found by name is reused only for what it serves: the same
+    factory with other arguments (other weights) is refused naming the spec, another
+    model spec naming the model (neither redeploys it: the same replica answers
+    after); replicas that loaded different weights are refused naming the weights."""
+    def start(target, n):
+        return cluster.start_replicas(target, n, num_cpus=0, app="idcheck")
 
-    router, info = asyncio.run(start(functools.partial(pair, 0), 1, "idcheck"))
+    client, info = start(functools.partial(pair, 0), 1)
     try:
         assert len(info["weights_sha"]) == 16 and info["model"].endswith(".pair")
-        with pytest.raises(cluster.ReplicaMismatch, match="weights_sha"):
-            asyncio.run(start(functools.partial(pair, 1), 2, "idcheck"))   # slot 1: new
+        first = asyncio.run(client.live_slots())
+        with pytest.raises(cluster.ReplicaMismatch, match="spec_sha"):
+            start(functools.partial(pair, 1), 2)
         with pytest.raises(cluster.ReplicaMismatch, match="serves model") as e:
-            asyncio.run(start("smollm2-135m", 1, "idcheck"))
+            start("smollm2-135m", 1)
         assert "\n" not in str(e.value)
-        again, same = asyncio.run(start(functools.partial(pair, 0), 1, "idcheck"))
-        assert same == info                                           # the same one
+        again, same = start(functools.partial(pair, 0), 1)
+        assert same == info and asyncio.run(again.live_slots()) == first  # the same one
+        other = {**info, "slot": 1, "weights_sha": "0" * 16}
+        why = cluster.mismatch([{**info, "slot": 0}, other], {"model": info["model"]})
+        assert "weights_sha" in why and "\n" not in why
     finally:
-        for name in ("idcheck-0", "idcheck-1"):
-            try:
-                ray.kill(ray.get_actor(name))
-            except ValueError:
-                pass
+        cluster.stop_replicas("idcheck")

@@ -23,7 +23,7 @@ from cloud_api.app import _middlewares, _mount_metrics
 from cloud_api.context import SERVICE
 from cloud_api.keys import QuotaExceeded
 from cloud_api.ratelimit import RateLimitExceeded
-from cloud_api.replicas.router import ReplicaRouter
+from cloud_api.replicas.client import ReplicaClient
 from cloud_api.routes import add_routes
 from cloud_api.sessions import ApiError
 from edge_sdk.protocol import wire
@@ -35,11 +35,12 @@ log = logging.getLogger("cloud_api.replicas")
 
 class RoutedService:
     """The route-facing calls of :class:`cloud_api.service.CloudService`, answered by
-    replicas through a :class:`cloud_api.replicas.router.ReplicaRouter`. ``info``:
-    the replicas' common ``vocab_size``, ``max_block`` and ``tokenizer_hash``."""
+    the Serve replicas through a :class:`cloud_api.replicas.client.ReplicaClient`.
+    ``info``: the replicas' common ``vocab_size``, ``max_block`` and
+    ``tokenizer_hash``."""
 
-    def __init__(self, router: ReplicaRouter, info: dict):
-        self.router, self.info = router, info
+    def __init__(self, replicas: ReplicaClient, info: dict):
+        self.replicas, self.info = replicas, info
 
     async def start(self, app=None) -> None:
         """Nothing to start: the replicas run their own queues."""
@@ -50,7 +51,7 @@ class RoutedService:
     async def create(self, body: dict, owner: str | None) -> dict:
         if not isinstance(body, dict):
             raise ApiError(400, "bad_request", "body must be a map", "body")
-        return await self.router.create(body, owner)
+        return await self.replicas.create(body, owner)
 
     async def verify(self, sid: str, body: bytes, owner: str | None, charge=None,
                      on_early=None) -> bytes:
@@ -65,10 +66,10 @@ class RoutedService:
         n = len(req.tokens) + 1
         can = getattr(charge, "can", None)
         may = charge is None or can is None or can(n)
-        out, due = await self.router.for_session(sid, "verify", body, owner, may)
+        out, due = await self.replicas.for_session(sid, "verify", body, owner, may)
         if out is None:                 # needs the budget it could not be promised
             charge(due)                 # raises 429 / 403; passes if the window freed
-            out, due = await self.router.for_session(sid, "verify", body, owner, True)
+            out, due = await self.replicas.for_session(sid, "verify", body, owner, True)
             due = 0 if out is None else due - n   # charged already
         if due > 0 and charge is not None:
             self._charge_after(charge, due)
@@ -84,20 +85,23 @@ class RoutedService:
             log.info("verified-token budget overrun by %d tokens (concurrent blocks)", n)
 
     async def correction(self, sid: str, body: bytes, owner: str | None) -> bytes:
-        return await self.router.for_session(sid, "correction", body, owner)
+        return await self.replicas.for_session(sid, "correction", body, owner)
 
     async def state(self, sid: str, owner: str | None) -> dict:
-        return await self.router.for_session(sid, "state", owner)
+        return await self.replicas.for_session(sid, "state", owner)
 
     async def remove(self, sid: str, owner: str | None) -> None:
-        await self.router.for_session(sid, "remove", owner)
+        await self.replicas.for_session(sid, "remove", owner)
 
     async def health(self) -> dict:
-        """``GET /healthz``: status, sessions over live replicas, replica counts."""
-        stats = await self.router.broadcast("stats")
+        """``GET /healthz``: status, sessions over the replicas that answered, replica
+        counts (``replicas_dead``: registered but not answering: dead, restarting, or
+        slower than the probe timeout)."""
+        live = await self.replicas.live_slots()
+        stats = await self.replicas.broadcast("stats", live)
         return {"status": "ok" if stats else "no_replica",
                 "sessions": sum(s["sessions"] for s in stats.values()),
-                "replicas": len(stats), "replicas_dead": len(self.router.dead),
+                "replicas": len(stats), "replicas_dead": max(0, len(live) - len(stats)),
                 "vocab_size": self.info["vocab_size"],
                 "tokenizer_hash": self.info["tokenizer_hash"]}
 
@@ -108,16 +112,16 @@ async def _generate_not_supported(request: web.Request) -> web.Response:
                    "--replicas 1)", "path")
 
 
-def create_replicated_app(router: ReplicaRouter, info: dict, *, key_store=None,
+def create_replicated_app(replicas: ReplicaClient, info: dict, *, key_store=None,
                           rate_window_s: int = 60, unauth_per_window: int | None = 600,
                           nonce_cache=None, storage=None,
                           client_max_size: int = wire.MAX_BODY_BYTES,
                           metrics_address: tuple[str, int] | None = None) -> web.Application:
-    """The ingress app over ``router``'s replicas.
+    """The ingress app over the Serve replicas ``replicas`` calls.
 
     Args:
-        router, info: the replicas and their common ``info()`` (vocab_size, max_block,
-            tokenizer_hash): :func:`cloud_api.replicas.cluster.start_replicas`.
+        replicas, info: the replicas' client and their common ``info()`` (vocab_size,
+            max_block, tokenizer_hash): :func:`cloud_api.replicas.cluster.start_replicas`.
         key_store, rate_window_s, unauth_per_window, client_max_size, metrics_address:
             as :func:`cloud_api.app.create_app`.
         nonce_cache, storage: the replay cache and ``limits`` storage shared by every
@@ -131,7 +135,7 @@ def create_replicated_app(router: ReplicaRouter, info: dict, *, key_store=None,
                                                    unauth_per_window, nonce_cache,
                                                    storage),
                           client_max_size=client_max_size)
-    app[SERVICE] = RoutedService(router, info)
+    app[SERVICE] = RoutedService(replicas, info)
     app[METRICS] = metrics
     _mount_metrics(app, metrics_address)
     add_routes(app)
