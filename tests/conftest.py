@@ -4,6 +4,7 @@ real verification server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 
@@ -12,6 +13,26 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def worker_pythonpath():
+    """PYTHONPATH with the repository and ``tests/`` first while the block runs, so Ray
+    workers and child processes import this checkout (and the test modules whose
+    factories they call); the caller's value is restored afterwards."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]
+                                               + ([saved] if saved else []))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def tiny_tokenizer(vocab: int = 64):

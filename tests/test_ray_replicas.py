@@ -56,10 +56,11 @@ def deployment(tmp_path_factory):
     two signed ingress apps (A, B: two workers' handles on the same application, the
     second one found by name) and a key."""
     # the workers import this module for target_pair (and the repository first)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [ROOT, os.path.join(ROOT, "tests")] + os.environ.get("PYTHONPATH", "").split(
-            os.pathsep))
+    with conftest.worker_pythonpath():
+        yield from _deployment(tmp_path_factory)
+
+
+def _deployment(tmp_path_factory):
     cluster.connect(num_cpus=2)
     store = SQLiteKeyStore(str(tmp_path_factory.mktemp("keys") / "keys.sqlite3"))
     key, raw = store.create("robot", scopes=("verify",), rpm=100_000, tpm=10_000_000)
@@ -78,10 +79,6 @@ def deployment(tmp_path_factory):
                "owner": key.key_id, "app": apps[0][1],
                "tight": Signer.from_api_key(tight), "tpm": Signer.from_api_key(tpm)}
     cluster.shutdown()
-    if saved is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture(scope="module")

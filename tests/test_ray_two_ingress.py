@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 
 import pytest
 
@@ -24,9 +23,6 @@ from edge_sdk.protocol import wire  # noqa: E402
 from edge_sdk.protocol.signing import Signer  # noqa: E402
 from serve_process import ServeProcess, save_tiny  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def pair(seed: int):
     """A replica target factory (the workers import it from this module)."""
     return conftest.tiny_model(seed=seed), conftest.tiny_tokenizer()
@@ -36,18 +32,12 @@ def pair(seed: int):
 def ray_cluster():
     """A local Ray cluster other processes can join: its GCS address. Replica workers
     import the repository (and this module) first."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]
-                                               + ([saved] if saved else []))
-    cluster.connect(num_cpus=4)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        cluster.shutdown()
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    with conftest.worker_pythonpath():
+        cluster.connect(num_cpus=4)
+        try:
+            yield ray.get_runtime_context().gcs_address
+        finally:
+            cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
