@@ -124,9 +124,12 @@ class Generation:
         try:
             info = await self.loss.until_reachable(
                 lambda: self.sess.create(self.prompt_ids, self.max_new_tokens))
-        finally:
-            if first is not None:
-                self._first = await first
+        except BaseException:
+            if first is not None:           # the create's error is the one to raise
+                await asyncio.gather(first, return_exceptions=True)
+            raise
+        if first is not None:
+            self._first = await first
         self.committer = Committer(self.c.tokenizer, self.max_new_tokens,
                                    info.get("eos_token_ids", []), self.stop)
 

@@ -388,3 +388,25 @@ def test_first_block_is_drafted_during_the_create(target, tok, close_draft, refe
     assert out.token_ids == reference
     assert tr.t_verify[0] - tr.t_created < step_s * depth / 2
     assert seen[0] == min(depth, max_block) and max(seen) <= max_block
+
+
+class BrokenDrafter(TorchDrafter):
+    """A drafter whose prefill fails (a broken draft runtime)."""
+
+    def sync(self, context):
+        raise RuntimeError("draft runtime broke")
+
+
+def test_a_refused_create_is_the_error_raised_not_the_drafts(target, tok, close_draft):
+    """The first block is drafted during the create; when both fail, the caller gets
+    the create's answer (here 400 naming prompt_ids: too long for the target's
+    context), not the draft's exception."""
+    from edge_sdk.transport import RemoteError
+
+    async def main():
+        async with EdgeClient("inproc://", BrokenDrafter(close_draft), tok, chat=False,
+                              transport=InProcessTransport(CloudService(target, tok))) as c:
+            await c.generate(prompt_ids=[5] * 400, max_new_tokens=4)
+    with pytest.raises(RemoteError) as e:
+        asyncio.run(main())
+    assert e.value.status == 400 and "prompt_ids" in str(e.value)
