@@ -155,11 +155,8 @@ class Generation:
         if first is None:
             return None
         block, planned = first
-        if len(tokens) != len(self.prompt_ids):
-            self.m.proactive_wasted_tokens += len(block)
-            return None
-        cap = min(self.sess.max_block, self.committer.remaining - 1)
-        if cap <= 0:
+        cap = self._cap()
+        if len(tokens) != len(self.prompt_ids) or cap <= 0:
             self.m.proactive_wasted_tokens += len(block)
             return None
         return block.head(cap), min(planned, cap)
@@ -250,12 +247,17 @@ class Generation:
         nothing to draft."""
         if self.target_only:
             return 0
-        left = self.committer.remaining if remaining is None else remaining
-        cap = min(self.sess.max_block, left - after - 1)
+        cap = self._cap(after, remaining)
         if cap <= 0:
             return 0
         depth = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap))
         return max(1, min(int(depth), cap))
+
+    def _cap(self, after: int = 0, remaining: int | None = None) -> int:
+        """The largest block the next round may send: the server's max block and the
+        tokens left (``remaining``, else the committer's) minus ``after`` and the bonus."""
+        left = self.committer.remaining if remaining is None else remaining
+        return min(self.sess.max_block, left - after - 1)
 
     async def _open_block(self, tokens: list[int], kept) -> tuple[DraftBlock | None, int]:
         """The round's block (None: a plain target step) and its planned depth: the

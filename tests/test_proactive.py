@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -350,43 +351,59 @@ def test_on_round_hook_gets_one_record_per_round(svc, tok, close_draft):
     assert all(0 <= r["t_send"] <= r["t_response"] for r in trace)
 
 
-class SlowCreate(InProcessTransport):
-    """Session creates answer ``delay_s`` late (a target prefill on a long prompt); the
-    times of the create's answer and of every verify request are recorded."""
+class DraftedSignal(SlowDrafter):
+    """A slow drafter that signals (a threading.Event) when it has drafted a block."""
 
-    def __init__(self, svc, delay_s: float):
+    def __init__(self, model, step_s: float):
+        super().__init__(model, step_s)
+        self.drafted = threading.Event()
+
+    def propose(self, *args, **kw):
+        out = super().propose(*args, **kw)
+        self.drafted.set()
+        return out
+
+    def fork(self):
+        return DraftedSignal(self.kv.model, self.step_s)
+
+
+class HeldCreate(InProcessTransport):
+    """Holds the session create's answer until ``drafter`` has drafted a block (at most
+    ``hold_s``, a target prefill on a long prompt), and records whether it had."""
+
+    def __init__(self, svc, drafter: DraftedSignal, hold_s: float = 5.0):
         super().__init__(svc)
-        self.delay_s, self.t_created, self.t_verify = delay_s, None, []
+        self.drafter, self.hold_s, self.drafted_before_answer = drafter, hold_s, None
 
     async def request(self, method, path, body=b"", content_type=""):
-        if path.endswith("/verify"):
-            self.t_verify.append(time.perf_counter())
         out = await super().request(method, path, body)
         if method == "POST" and path.rstrip("/").endswith("/sessions"):
-            await asyncio.sleep(self.delay_s)
-            self.t_created = time.perf_counter()
+            ev = self.drafter.drafted
+            await asyncio.get_running_loop().run_in_executor(None, ev.wait, self.hold_s)
+            self.drafted_before_answer = ev.is_set()
         return out
 
 
 @pytest.mark.parametrize("max_block", [16, 2])
 def test_first_block_is_drafted_during_the_create(target, tok, close_draft, reference,
                                                   max_block):
-    """Round 0's block is drafted while the cloud prefills: the first verify leaves
-    within a moment of the create's answer although a block of 6 costs >= 6 x 30 ms of
-    drafting; a server with a smaller max block gets the block cut to it. Output
+    """Round 0's block is drafted while the cloud answers the create (the create's
+    answer waits for it; drafting only after the answer would leave it waiting the
+    whole hold); a server with a smaller max block gets the block cut to it. Output
     unchanged (greedy identity)."""
-    step_s, depth = 0.03, 6
-    tr = SlowCreate(CloudService(target, tok, max_block=max_block), delay_s=0.5)
+    depth = 6
+    drafter = DraftedSignal(close_draft, 0.01)
+    tr = HeldCreate(CloudService(target, tok, max_block=max_block), drafter)
     seen: list[int] = []
 
     async def main():
-        async with EdgeClient("inproc://", SlowDrafter(close_draft, step_s), tok,
-                              chat=False, transport=tr, depth=depth) as c:
+        async with EdgeClient("inproc://", drafter, tok, chat=False, transport=tr,
+                              depth=depth) as c:
             return await c.generate(prompt_ids=PROMPT, max_new_tokens=40,
                                     on_round=lambda r: seen.append(r["depth"]))
     out = asyncio.run(main())
     assert out.token_ids == reference
-    assert tr.t_verify[0] - tr.t_created < step_s * depth / 2
+    assert tr.drafted_before_answer is True
     assert seen[0] == min(depth, max_block) and max(seen) <= max_block
 
 
