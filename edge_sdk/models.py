@@ -193,11 +193,14 @@ def _load_full(spec: ModelSpec, dtype: str = "float32"):
     model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
     model = model.to(DTYPES[dtype])
     tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
+    # The weights are already dequantised; drop the GGUF markers so the model saves as a
+    # plain checkpoint and behaves like one loaded from the cache (``.float()``, ``.to()``
+    # refuse a model flagged quantized).
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config.__dict__.pop("quantization_config", None)
+    model.config.__dict__.pop("_is_quantized", None)
     try:
-        # The weights are already dequantised; drop the GGUF marker so the model saves
-        # as a plain checkpoint.
-        model.hf_quantizer = None
-        model.config.__dict__.pop("quantization_config", None)
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -106,3 +106,20 @@ def test_real_pair_assembles_to_the_expected_files():
         assert out.stat().st_size == G.PARTED[name].size
         with open(out, "rb") as f:
             assert f.read(4) == b"GGUF"
+
+
+def test_first_gguf_load_is_a_plain_model(tmp_path, monkeypatch):
+    """The first load of a GGUF checkpoint (dequantised, then cached) returns a model
+    that behaves like one read from the cache: not flagged quantized, so ``.float()``
+    works (the first-use ONNX export widens the bf16 draft in place), and the cache
+    folder is written."""
+    import torch
+
+    from edge_sdk.models import _gguf_cache_path, load_model, resolve
+
+    monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
+    model, _ = load_model("smollm2-135m", dtype="bfloat16")
+    assert not getattr(model, "is_quantized", False)
+    model.float()
+    assert next(model.parameters()).dtype == torch.float32
+    assert (_gguf_cache_path(resolve("smollm2-135m"), "bfloat16") / "config.json").exists()

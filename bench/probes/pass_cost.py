@@ -1,9 +1,10 @@
 """Target verify-pass cost against the number of tokens in the pass.
 
-    python -m bench.probes.pass_cost [--target qwen2.5-coder-1.5b] [--dtype bfloat16]
+    python -m bench.probes.pass_cost [TARGET [DTYPE [SIZES]]]
+    python -m bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 1,2,3,4,5,6,7,8,9,13
 
-Prints, per pass size n in 1, 9, 13, 17, 25, the four timings (ms, sorted) of a pass
-of n tokens after a 200-token context, on one thread.
+Prints, per pass size n (default 1, 9, 13, 17, 25), the four timings (ms, sorted) of a
+pass of n tokens after a 200-token context, on one thread.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import sys
 import time
 
 
-def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16") -> dict:
+def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16",
+         sizes: str = "1,9,13,17,25") -> dict:
     import torch
 
     from edge_sdk.kvmodel import KVModel
@@ -21,7 +23,7 @@ def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16") -> dict:
     torch.set_num_threads(1)
     m, _ = load_model(target, dtype=dtype)
     ctx, out = list(range(1000, 1200)), {}
-    for n in (1, 9, 13, 17, 25):
+    for n in (int(x) for x in sizes.split(",")):
         ts = []
         for _ in range(4):
             kv = KVModel(m)
@@ -35,4 +37,4 @@ def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16") -> dict:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
