@@ -18,12 +18,15 @@ others wait for it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
 import ray
 
 from cloud_api.replicas.replica import SLOTS, spec_sha, target_name
+
+log = logging.getLogger(__name__)
 
 __all__ = ["APP", "NAMESPACE", "IDENTITY", "ReplicaMismatch", "connect", "mismatch",
            "shutdown", "start_replicas", "stop_replicas"]
@@ -49,13 +52,23 @@ ROUTING = {"request_routing_stats_period_s": 1.0, "request_routing_stats_timeout
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     """``ray.init``: join the cluster at ``address`` (``HOST:PORT`` or ``auto``), or
     start a local one (``num_cpus`` CPUs; None: all) when ``address`` is None; then
-    start Serve without its HTTP proxy. A second call in the same process is a no-op."""
+    start Serve without its HTTP proxy. A second call in the same process is a no-op.
+    A local cluster whose raylet misses Ray's fixed 30 s registration wait (a loaded
+    machine) is started once more before the error is raised."""
     from ray import serve
 
-    if not ray.is_initialized():
-        ray.init(address=address, num_cpus=None if address else num_cpus,
-                 include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-                 configure_logging=False)
+    for attempt in (1, 2):
+        if ray.is_initialized():
+            break
+        try:
+            ray.init(address=address, num_cpus=None if address else num_cpus,
+                     include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+                     configure_logging=False)
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception here
+            if address is not None or attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            log.warning("local Ray node timed out during startup; starting it again")
+            ray.shutdown()
     serve.start(proxy_location="Disabled")
 
 
