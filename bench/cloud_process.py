@@ -31,6 +31,7 @@ def load_source(src, dtype: str = "float32", threads: int | None = None):
         return src()
     from edge_sdk.models import load_model
 
+    from edge_sdk.packed import packed_default
     return load_model(src, dtype=dtype, threads=threads)
 
 

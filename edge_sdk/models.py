@@ -230,7 +230,8 @@ def truncate_layers(model, n: int):
     return small
 
 
-def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | None = None):
+def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | None = None,
+               packed: bool = False):
     """Load a causal LM for inference (eval mode, no grad).
 
     Args:
@@ -239,6 +240,9 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
         dtype: ``float32`` (default; exact greedy identity), ``bfloat16``, ``float16``
             or ``auto`` (:func:`default_dtype`).
         threads: torch intra-op threads to use (None leaves torch's default).
+        packed: prepack the bfloat16 linear weights for oneDNN (:mod:`edge_sdk.packed`:
+            inference only, bit-identical logits, ~2-3x faster CPU passes); other
+            dtypes are left as they are.
     Returns:
         ``(model, tokenizer)``.
     Raises:
@@ -256,6 +260,10 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
         model = truncate_layers(model, spec.truncate_layers)
     model = model.to(DTYPES[dtype]).eval()
     model.requires_grad_(False)
+    if packed:
+        from edge_sdk.packed import pack_linears
+
+        pack_linears(model)
     return model, load_tokenizer(spec)
 
 

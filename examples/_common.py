@@ -108,7 +108,9 @@ def backend(url: str | None, api_key: str | None, target: str, tokenizer,
     from edge_sdk.models import load_model
 
     log(f"loading target {target} (in-process signed server) ...")
-    tmodel, _ = load_model(target, dtype="auto")
+    from edge_sdk.packed import packed_default
+
+    tmodel, _ = load_model(target, dtype="auto", packed=packed_default())
     with local_server(tmodel, tokenizer) as b:
         yield b
 

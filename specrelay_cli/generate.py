@@ -224,7 +224,9 @@ def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
     draft = draft or default_draft(target)
     if not kw["as_json"]:
         click.echo(f"loading target {target} and draft {draft} ...", err=True)
-    tmodel, tok = load_model(target, dtype=dtype)
+    from edge_sdk.packed import packed_default
+
+    tmodel, tok = load_model(target, dtype=dtype, packed=packed_default())
     sem = None
     if semantic:
         sem = semantic_setting(tmodel, target, {"head": wisv_head, "strict": None,

@@ -111,6 +111,7 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
     from cloud_api.exit_select import early_head_for
     from edge_sdk.models import load_model
 
+    from edge_sdk.packed import packed_default
     target, tok = load_model(model, dtype=dtype, threads=threads)
     try:
         head = early_head_for(target, tok, early_exit, model)

@@ -218,7 +218,10 @@ def _torch_drafter(spec: str, runtime: str, dtype: str | None, threads: int | No
     from edge_sdk.models import load_model
 
     if runtime == "torch":
-        model, tok = load_model(spec, threads=threads, **({"dtype": dtype} if dtype else {}))
+        from edge_sdk.packed import packed_default
+
+        model, tok = load_model(spec, threads=threads, packed=packed_default(),
+                                **({"dtype": dtype} if dtype else {}))
         return TorchDrafter(model), tok
     from edge_sdk.drafters.torch import quantize_dynamic_int8
 
