@@ -32,6 +32,12 @@ predicted position ``p`` (the prompt's last token .. the continuation's last but
 
 The early exit's layers are the target's own, so its rows are independent; its
 ``acc@D`` is computed from the same per-position hits.
+
+Variants: ``--translate`` adds ``skip+T``, the skip draft with an affine map from the
+residual stream at ``R1`` to the one at ``L-R2`` fitted on the calibration text
+(:func:`fit_skip_translator`); ``--prefix-only`` makes the block rows attend in the
+tail layers to the true prefix and themselves only. Both measured worse than the plain
+skip draft (docs/figures/cats/skip/translator.md, prefix_only.md).
 Output: a markdown table on stdout (and ``--json PATH``).
 """
 
@@ -70,7 +76,7 @@ def _greedy(t, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _block_rows(n_pred: int, D: int, p0: int, N: int):
+def _block_rows(n_pred: int, D: int, p0: int, N: int, prefix_only: bool = False):
     """Rows of the batched skip pass for blocks of depth ``D`` at every start
     ``s <= n_pred - D``: (prediction index per row, position ids long [1, M],
     mask bool [1, 1, M, N + M]) with ``p0`` the first predicted position and ``N``
@@ -83,9 +89,27 @@ def _block_rows(n_pred: int, D: int, p0: int, N: int):
     mask = torch.zeros(M, N + M, dtype=torch.bool)
     for r, (s, j) in enumerate((s, j) for s in starts for j in range(D)):
         mask[r, : p0 + s] = True                       # true prefix before the block
-        mask[r, N + r - j: N + r + 1] = True           # the block's own rows 0..j
+        mask[r, N + (r if prefix_only else r - j): N + r + 1] = True   # own rows 0..j
     pos = torch.tensor([[p0 + i for i in idx]], dtype=torch.long)
     return idx, pos, mask[None, None]
+
+
+def fit_skip_translator(X, Y, ridge: float = 1e-3):
+    """Affine map ``Y ~ X @ w + b`` from the residual stream at ``R1`` to the one at
+    ``L-R2`` (both [N, H]), by ridge least squares with rows weighted by 1/RMS(x)^2
+    (the attention sink's massive activations would dominate; cf.
+    :func:`edge_sdk.exit_head.fit_translator`, which also normalises Y because a final
+    norm follows; here the tail layers' residual additions need Y's scale). float64
+    solve; returns float32 ``w`` [H, H], ``b`` [H]."""
+    import torch
+
+    X, Y = X.double(), Y.double()
+    s = X.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+    Xa = torch.cat([X, torch.ones_like(s)], 1) / s
+    gram = Xa.T @ Xa
+    gram.diagonal()[:-1].add_(ridge * float(gram.diagonal()[:-1].mean()))
+    wb = torch.linalg.solve(gram, Xa.T @ (Y / s))
+    return wb[:-1].float(), wb[-1].float()
 
 
 def _leading(hits: list[bool]) -> int:
@@ -116,6 +140,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--translate", action="store_true",
+                    help="also the skip draft with an affine translator R1 -> L-R2")
+    ap.add_argument("--only", default=None, help="comma list of R values to measure")
+    ap.add_argument("--prefix-only", action="store_true",
+                    help="acc@D with block rows attending in the tail layers to the true "
+                         "prefix and themselves only (not to the block's earlier rows)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
@@ -125,18 +155,30 @@ def main(argv=None) -> dict:
     t = OffloadedTarget(Storage(folder / "model.safetensors", PROFILES["ram"]), config, L,
                         torch.bfloat16, resident_embed=True)
     tok = load_tokenizer(a.target)
-    exits = [E for E in sorted(SPLITS) if E < L]
+    splits = {R: v for R, v in SPLITS.items()
+              if a.only is None or str(R) in a.only.split(",")}
+    exits = [E for E in sorted(splits) if E < L]
 
     # tuned lens at each exit layer, fitted on held-out calibration text
-    xs, ys = {E: [] for E in exits}, []
+    xs, ys, cal = {E: [] for E in exits}, [], {i: [] for i in range(L + 1)}
     for s in calibration_text(tok, a.fit, a.fit, 256):
         t.reset()
-        h, i0 = t.embed(s), 0
-        for E in exits:
-            h = t.run_layers(h, i0, E)
-            xs[E].append(h[0].float())
-            i0 = E
-        ys.append(t.run_layers(h, i0, L)[0].float())
+        h = t.embed(s)
+        for i in range(L):
+            if i in xs:
+                xs[i].append(h[0].float())
+            if a.translate:
+                cal[i].append(h[0, 1:])                              # not the sink
+            h = t.run_layers(h, i, i + 1)
+        ys.append(h[0].float())
+    trans = {}
+    if a.translate:
+        for E in splits:
+            for r1, r2 in splits[E]:
+                if r1 + r2 < L:
+                    trans[(r1, r2)] = fit_skip_translator(torch.cat(cal[r1]),
+                                                          torch.cat(cal[L - r2]))
+    del cal
     vocab = restricted_vocab(t.model, 32768)
     heads = {}
     for E in exits:
@@ -147,7 +189,8 @@ def main(argv=None) -> dict:
 
     D, n = a.depth, a.tokens
     names = ([f"exit@{E}" for E in exits] + [f"lens@{E}" for E in exits]
-             + [f"skip {r1}+{r2}" for E in SPLITS for r1, r2 in SPLITS[E]])
+             + [f"skip {r1}+{r2}" for E in splits for r1, r2 in splits[E]]
+             + [f"skip+T {r1}+{r2}" for r1, r2 in trans])
     hits = {k: {"a1": [], "own": [], "acc": []} for k in names}
     for w, prompt in _prompts(tok, a.prompts):
         cont = _greedy(t, prompt, n)
@@ -166,29 +209,30 @@ def main(argv=None) -> dict:
                 hits[k]["a1"] += hit
                 hits[k]["own"] += hit
                 hits[k]["acc"] += [_leading(hit[s:s + D]) for s in range(n - D + 1)]
-        idx, pos, mask = _block_rows(n, D, p0, N)
-        for E in SPLITS:
-            for r1, r2 in SPLITS[E]:
-                k = f"skip {r1}+{r2}"
-                x = hs[r1][:, p0:]
-                # a1: one row per position against the true prefix
-                m1 = torch.zeros(n, N + n, dtype=torch.bool)
-                for j in range(n):
-                    m1[j, : p0 + j] = True
-                    m1[j, N + j] = True
-                out = t.run_layers(x, L - r2, L, torch.arange(p0, p0 + n)[None], m1[None, None])
-                t.crop(N)
-                hits[k]["a1"] += (t.logits(out).argmax(-1) == ref).tolist()
-                # own: the skip path's own cache over the whole sequence
-                keep, t.cache = t.cache, DynamicCache(config=config)
-                out = t.run_layers(hs[r1], L - r2, L)
-                t.cache = keep
-                hits[k]["own"] += (t.logits(out[:, p0:]).argmax(-1) == ref).tolist()
-                # acc@D: depth-D blocks at every start
-                out = t.run_layers(x[:, idx], L - r2, L, pos, mask)
-                t.crop(N)
-                hb = (t.logits(out).argmax(-1) == ref[idx]).tolist()
-                hits[k]["acc"] += [_leading(hb[r:r + D]) for r in range(0, len(hb), D)]
+        idx, pos, mask = _block_rows(n, D, p0, N, a.prefix_only)
+        variants = [(f"skip {r1}+{r2}", r1, r2, None) for E in splits for r1, r2 in splits[E]]
+        variants += [(f"skip+T {r1}+{r2}", r1, r2, wb) for (r1, r2), wb in trans.items()]
+        for k, r1, r2, wb in variants:
+            hin = hs[r1] if wb is None else (hs[r1].float() @ wb[0] + wb[1]).to(hs[r1].dtype)
+            x = hin[:, p0:]
+            # a1: one row per position against the true prefix
+            m1 = torch.zeros(n, N + n, dtype=torch.bool)
+            for j in range(n):
+                m1[j, : p0 + j] = True
+                m1[j, N + j] = True
+            out = t.run_layers(x, L - r2, L, torch.arange(p0, p0 + n)[None], m1[None, None])
+            t.crop(N)
+            hits[k]["a1"] += (t.logits(out).argmax(-1) == ref).tolist()
+            # own: the skip path's own cache over the whole sequence
+            keep, t.cache = t.cache, DynamicCache(config=config)
+            out = t.run_layers(hin, L - r2, L)
+            t.cache = keep
+            hits[k]["own"] += (t.logits(out[:, p0:]).argmax(-1) == ref).tolist()
+            # acc@D: depth-D blocks at every start
+            out = t.run_layers(x[:, idx], L - r2, L, pos, mask)
+            t.crop(N)
+            hb = (t.logits(out).argmax(-1) == ref[idx]).tolist()
+            hits[k]["acc"] += [_leading(hb[r:r + D]) for r in range(0, len(hb), D)]
         print(f"# {w} prompt of {len(prompt)} tokens done ({time.perf_counter() - t0:.0f} s)",
               flush=True)
     rows = {k: {"a1": sum(v["a1"]) / len(v["a1"]), "own": sum(v["own"]) / len(v["own"]),
