@@ -28,6 +28,13 @@ LOCAL_OPTIONS = [
 ]
 
 
+
+def _draft_label(p) -> str:
+    """``exit layer E`` or ``skip draft R1+R2`` of a plan."""
+    if getattr(p, "draft", "exit") == "skip":
+        return f"skip draft {p.resident_layers - p.tail_layers}+{p.tail_layers}"
+    return f"exit layer {p.exit_layer}"
+
 def calibration(tokenizer) -> list[list[int]]:
     """Held-out HumanEval/MT-Bench sequences to fit the exit head once (the cloud's FSD
     calibration text)."""
@@ -63,7 +70,7 @@ def run_local(prompt: str, kw: dict) -> None:
     p = sess.plan
     click.echo(text)
     click.echo(f"-- local {sess.method}: R={p.resident_layers}/{sess.local.target.num_layers} "
-               f"resident, exit layer {p.exit_layer}, depth {sess.depth or p.depth}, budget "
+               f"resident, {_draft_label(p)}, depth {sess.depth or p.depth}, budget "
                f"{p.budget / 1e9:.2f} GB (plan {p.memory / 1e9:.2f} GB), storage "
                f"{kw['storage']}", err=True)
     m = res["metrics"]

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 
-import torch
 from click.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from edge_sdk.exit_head import untrained_head
-from edge_sdk.exit_store import save_exit_head
 from edge_sdk.local_target.load import open_local_target
 
 BUDGET = "1.2MB"     # 2 of the 4 layers resident (+ one streamed buffer + KV reserve)
@@ -26,10 +23,7 @@ def test_local_bench_end_to_end(tmp_path, monkeypatch):
     tiny_tokenizer().save_pretrained(folder)
     local = open_local_target(str(folder), BUDGET, STORAGE, "float32")
     assert local.target.R == 2 and local.plan.depth >= 1
-    head = untrained_head(local.target.model, local.plan.exit_layer)  # cached: no fit
-    H = model.config.hidden_size
-    head.weight, head.bias = torch.eye(H), torch.zeros(H)
-    save_exit_head(head, 32768, {"test": True})
+    assert local.plan.draft == "skip"        # the layer-skipping draft: nothing to fit
 
     from specrelay_cli import main
     out = tmp_path / "out"
@@ -45,3 +39,5 @@ def test_local_bench_end_to_end(tmp_path, monkeypatch):
     assert all(x["peak_rss_bytes"] > 0 for x in r["runs"])
     assert r["ratios"] and r["config"]["greedy_identity"] == {"compared": 1, "identical": 1}
     assert "mem1.2MB-1MB/s" in (out / "summary.md").read_text()
+    cats = next(x for x in r["runs"] if x["mode"] == "cats")
+    assert cats["local"]["plan"]["draft"] == "skip" and cats["local"]["exit_head"].startswith("skip-")

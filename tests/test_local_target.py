@@ -111,9 +111,31 @@ def test_budget_picks_the_resident_layers(tmp_path, model):
 def test_cost_model_on_the_real_shape():
     """Qwen2.5-Coder-1.5B in bf16: 93.6 MB layers, 467 MB head and embedding."""
     s = Sizes(93_603_840, 466_747_392, 466_747_392, 3072, 28, 1536, 151936, 28 * 1024)
-    half = plan(s, s.weights // 2, 2e9)
+    half = plan(s, s.weights // 2, 2e9, drafts=("exit",))
     assert 10 <= half.resident_layers <= 14 and half.memory <= s.weights // 2
     assert half.exit_layer == half.resident_layers and half.rate > half.ar_rate
-    emmc = plan(s, s.weights // 2, 4e8)
+    assert half.draft == "exit" and half.tail_layers == 0
+    emmc = plan(s, s.weights // 2, 4e8, drafts=("exit",))
     assert emmc.t_full > half.t_full and emmc.depth >= half.depth
     assert plan(s, s.weights, 2e9).resident_layers == 28
+
+
+def test_the_planner_picks_the_skip_draft_by_predicted_rate():
+    """At 50 % and 75 % the measured skip agreement (SKIP_MEASURED) beats the exit
+    head's at the same resident layers: the plan keeps the first R1 + last R2 layers;
+    at 100 % nothing is streamed and the skip draft is not offered."""
+    from edge_sdk.local_target.budget import SKIP_MEASURED, skip_agreement, skip_split
+
+    s = Sizes(93_603_840, 466_747_392, 466_747_392, 3072, 28, 1536, 151936, 28 * 1024)
+    for frac, bw in ((0.5, 2e9), (0.5, 4e8), (0.75, 2e9)):
+        p = plan(s, int(s.weights * frac), bw)
+        e = plan(s, int(s.weights * frac), bw, drafts=("exit",))
+        assert p.draft == "skip" and p.exit_layer == 0 and p.depth >= 1
+        assert p.resident_layers == e.resident_layers and p.memory == e.memory
+        assert p.rate > e.rate > p.ar_rate
+        R1 = p.resident_layers - p.tail_layers
+        assert R1 == skip_split(p.resident_layers, 28) and 1 <= R1 < p.resident_layers
+    assert plan(s, s.weights, 2e9).draft == "exit"
+    assert skip_split(12, 28) == SKIP_MEASURED[12][0]
+    assert 0 < skip_agreement(12, 28) < skip_agreement(14, 28) < skip_agreement(21, 28) < 1
+    assert plan(s, s.weights // 2, 2e9, drafts=()).depth == 0       # the target alone

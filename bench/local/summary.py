@@ -21,6 +21,8 @@ def summary_md(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         m, p = r["metrics"], dict(r["local"]["plan"])
+        if p.get("draft") == "skip":              # first R1 + last R2 resident
+            p["exit_layer"] = f"skip {p['resident_layers'] - p['tail_layers']}+{p['tail_layers']}"
         if r["mode"] == "local-offload-ar":       # the target alone: no draft
             p.update(exit_layer="-", depth="-", width="-")
         lines.append(

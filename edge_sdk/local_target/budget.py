@@ -21,8 +21,15 @@ Time (seconds) of one round of self-speculation with exit layer ``E <= R`` and d
     rate    = tokens / (t_full + k * t_draft)
 
 with ``a`` the exit head's top-1 agreement with the final layer at layer ``E``
-(:data:`AGREEMENT`, measured on held-out text with the tuned lens). The plan maximises
-``rate`` over ``E in 1..min(R, L-1)`` and ``k in 1..max_depth``; where no choice beats
+(:data:`AGREEMENT`, measured on held-out text with the tuned lens). The layer-skipping
+draft (:mod:`.skip`: the first ``R1`` and the last ``R2 = R - R1`` layers resident, the
+middle streamed and skipped by the draft; Draft & Verify, Zhang et al. 2023, §3.1)
+costs ``t_draft = (R * W_layer + W_head_sub) / mem_bw`` per token and has the
+per-token agreement ``a`` of :func:`skip_agreement` (:data:`SKIP_MEASURED`: the chain
+agreement inside a block, lower than the first token's because the tail layers attend
+to the draft's own keys/values of the block); the verification pass costs the same
+``t_full``. The plan maximises ``rate`` over the exit ``E in 1..min(R, L-1)``, the skip
+draft at the best measured split for ``R``, and ``k in 1..max_depth``; where no choice beats
 the target alone (``1 / t_full``: nothing streamed and a draft token costing E/L of a
 pass) the plan says ``depth = 0`` and CATS decodes with the target alone. The cascade's gate
 (:mod:`.cats`) stops a block early when the draft's own probability of the whole block
@@ -41,12 +48,19 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-__all__ = ["Sizes", "Plan", "AGREEMENT", "agreement", "plan", "parse_bytes",
-           "MEM_BW", "MAX_DEPTH", "WIDTH"]
+__all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "agreement", "skip_agreement",
+           "skip_split", "plan", "parse_bytes", "MEM_BW", "MAX_DEPTH", "WIDTH"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
 """Exit layer (of 28) -> tuned exit-head top-1 agreement with the final layer on
 held-out text (Qwen2.5-Coder-1.5B; cloud_api.exit_fit). Other depths scale by E/L."""
+
+SKIP_MEASURED = {12: (2, 0.707, 1.16), 14: (3, 0.773, 2.09), 21: (4, 0.902, 5.21)}
+"""Resident layers R (of 28) -> (best R1, first-token agreement, mean accepted drafts
+of a depth-8 block) of the skip draft at its best split (by the block figure),
+Qwen2.5-Coder-1.5B bf16, teacher-forced on 4 HumanEval + 4 MT-Bench prompts x 32
+greedy tokens (``bench/probes/skip_agreement.py``, docs/figures/cats/skip). The early
+exit at the same R: 0.22 / 0.33 (R=12), 0.20 / 0.27 (14), 0.41 / 0.78 (21)."""
 
 MEM_BW = 18e9
 """Effective DRAM bandwidth of a CPU pass (bytes/s): a 1-token bf16 pass of the 3.1 GB
@@ -115,6 +129,10 @@ class Plan:
     ar_rate: float
     gate: float
     width: int = 1
+    draft: str = "exit"
+    tail_layers: int = 0
+    """``draft``: ``exit`` (layers 0..E-1 + the exit head at ``exit_layer``) or ``skip``
+    (layers 0..R1-1 and the last ``tail_layers`` resident, ``exit_layer`` = 0)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,6 +146,42 @@ def agreement(E: int, L: int) -> float:
         if lo <= x <= hi:
             return AGREEMENT[lo] + (AGREEMENT[hi] - AGREEMENT[lo]) * (x - lo) / (hi - lo)
     return 1.0
+
+
+def _chain_a(acc: float, depth: int = 8) -> float:
+    """The per-token agreement ``a`` whose chain of ``depth`` drafts accepts ``acc`` on
+    average: ``sum_{j=1..depth} a^j = acc`` (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(1, depth + 1)) < acc else (lo, mid)
+    return lo
+
+
+def _interp(points: dict, x: float) -> float:
+    keys = sorted(points)
+    if x <= keys[0]:
+        return points[keys[0]] * x / keys[0] if keys[0] else points[keys[0]]
+    for lo, hi in zip(keys, keys[1:]):
+        if lo <= x <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    return points[keys[-1]]
+
+
+def skip_agreement(R: int, L: int) -> float:
+    """The skip draft's per-token chain agreement with ``R`` of ``L`` layers resident
+    (its best split): :data:`SKIP_MEASURED` through :func:`_chain_a`, linear in
+    ``28 R / L`` between the measured points, 0 at R = 0 and 1 at R = L."""
+    pts = {0: 0.0, 28: 1.0} | {r: _chain_a(acc) for r, (_, _, acc) in SKIP_MEASURED.items()}
+    return min(1.0, max(0.0, _interp(pts, 28.0 * R / L)))
+
+
+def skip_split(R: int, L: int) -> int:
+    """``R1`` of the skip draft with ``R`` of ``L`` layers resident: the measured best
+    R1 of the nearest measured R (scaled by L/28), within 1..R-1."""
+    x = 28.0 * R / L
+    near = min(SKIP_MEASURED, key=lambda r: abs(r - x))
+    return max(1, min(R - 1, round(SKIP_MEASURED[near][0] * L / 28)))
 
 
 def _memory(s: Sizes, R: int, embed: bool, max_ctx: int) -> int:
@@ -146,9 +200,20 @@ def _rate(s: Sizes, R: int, E: int, k: int, bw: float, sub_head: int):
     return tokens / (t_full + k * t_draft), t_full, t_draft, a
 
 
+def _skip_rate(s: Sizes, R: int, k: int, bw: float, sub_head: int):
+    """(tokens/s, t_full, t_draft, agreement) of the skip draft with R resident."""
+    _, t_full, _, _ = _rate(s, R, 0, 0, bw, 0)
+    t_draft = (R * s.layer + sub_head) / MEM_BW
+    a = min(skip_agreement(R, s.layers), 0.999)
+    tokens = (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (t_full + k * t_draft), t_full, t_draft, a
+
+
 def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
-         head_vocab: int = 32768) -> Plan:
-    """The plan for ``budget`` bytes and ``bandwidth`` bytes/s (0: unthrottled).
+         head_vocab: int = 32768, drafts: tuple = ("exit", "skip")) -> Plan:
+    """The plan for ``budget`` bytes and ``bandwidth`` bytes/s (0: unthrottled), with
+    the drafts allowed in ``drafts`` (``exit``, ``skip``; the skip draft needs a
+    streamed middle: 2 <= R < L).
 
     Raises ValueError when not even the head + one streamed layer + KV fit."""
     if _memory(s, 0, False, max_ctx) > budget:
@@ -159,16 +224,22 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     embed = R == s.layers and _memory(s, R, True, max_ctx) <= budget
     sub = s.head * min(1.0, head_vocab / s.vocab)
     best = None
-    for E in range(1, min(R, s.layers - 1) + 1):
+    for E in range(1, min(R, s.layers - 1) + 1) if "exit" in drafts else ():
         for k in range(1, MAX_DEPTH + 1):
             r = _rate(s, R, E, k, bandwidth, sub)
             if best is None or r[0] > best[0][0]:
-                best = (r, E, k)
+                best = (r, E, k, "exit")
+    if "skip" in drafts and 2 <= R < s.layers:
+        for k in range(1, MAX_DEPTH + 1):
+            r = _skip_rate(s, R, k, bandwidth, sub)
+            if best is None or r[0] > best[0][0]:
+                best = (r, 0, k, "skip")
     t_ar = _rate(s, R, 0, 0, bandwidth, 0)[1]
     if best is None or best[0][0] <= 1.0 / t_ar:   # no draft pays: the target alone
-        best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0)
-    (rate, t_full, t_draft, a), E, k = best
+        best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0, "exit")
+    (rate, t_full, t_draft, a), E, k, draft = best
+    tail = R - skip_split(R, s.layers) if draft == "skip" else 0
     width = WIDTH if k and t_draft < 0.1 * t_full else 1
     return Plan(budget, R, embed, E, k, _memory(s, R, embed, max_ctx), t_full, t_draft,
                 a, rate, 1.0 / t_full if t_full else math.inf,
-                t_draft / t_full if t_full else 0.0, width)
+                t_draft / t_full if t_full else 0.0, width, draft, tail)

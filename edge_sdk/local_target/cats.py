@@ -6,16 +6,20 @@ siblings verified in the same pass: SpecInfer, Miao et al. 2024, §4).
 
 The cascade, from cheapest to dearest, for one block of a round:
 
-1. **Resident draft** (layers ``0..E-1`` + the exit head at ``E``, all resident, no
-   storage reads): proposes ``d_1..d_k``; its keys/values of layers ``0..E-1`` are the
-   target's own and are kept.
+1. **Resident draft** (no storage reads), one of two (:mod:`.budget` picks by
+   predicted rate): the early exit (layers ``0..E-1`` + the tuned exit head at ``E``,
+   :class:`ExitDraft`) or the layer-skipping draft (layers ``0..R1-1`` and the last
+   ``R2`` + the model's own head, :class:`~.skip.SkipDraft`, whose tail-layer entries
+   are draft-only and cropped before step 3). It proposes ``d_1..d_k``; its keys/values
+   of layers ``0..S-1`` (``S`` = the split: ``E`` or ``R1``) are the target's own and
+   are kept.
 2. **Resident gate** (free): the draft's own probability of the block so far,
    ``prod_j q_j(d_j)``, is checked after each token; below the gate
    (:mod:`.budget`: ``t_draft / t_full``) the block stops: one more token would cost
    more drafting time than the streamed pass it can be expected to save.
-3. **Full verification** (layers ``E..L-1``, the streamed ones included, ONE pass over
+3. **Full verification** (layers ``S..L-1``, the streamed ones included, ONE pass over
    the whole block: streamed bytes dominate and a pass costs the same for 1 or k+1
-   tokens): runs on the stored residual streams of the draft at layer ``E`` (same
+   tokens): runs on the stored residual streams of the draft at layer ``S`` (same
    position ids), so the skipped layers get their keys/values before anything uses
    them (CASES.md 11). The acceptance rule is the shared one
    (:mod:`edge_sdk.protocol.sampling`): greedy output is the target's token for token,
@@ -43,7 +47,7 @@ from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 
-__all__ = ["LocalStats", "CatsDecoder", "decode_ar", "verify_block"]
+__all__ = ["LocalStats", "CatsDecoder", "ExitDraft", "decode_ar", "verify_block"]
 
 
 @dataclass
@@ -132,12 +136,34 @@ def decode_ar(t: OffloadedTarget, prompt: list[int], max_new_tokens: int,
     return ids[len(prompt):], st
 
 
+class ExitDraft:
+    """The early-exit draft: layers ``0..E-1`` + the exit head at ``E = head.layer``
+    (all of them the target's leading resident layers). ``split`` = E; nothing of its
+    cache is draft-only. Raises ValueError when the exit layer is not resident."""
+
+    def __init__(self, target: OffloadedTarget, head: ExitHead):
+        if head.layer > target.R1 or head.layer >= target.num_layers:
+            raise ValueError(f"exit layer {head.layer} is not resident (R={target.R1})")
+        self.t, self.head, self.split, self.name = target, head, head.layer, head.name
+
+    def step(self, tok: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tok`` through layers ``0..E-1``: the residual stream at ``E`` [1, 1, H]
+        and the exit logits float32 [V]."""
+        h = self.t.run_layers(self.t.embed([tok]), 0, self.split)
+        return h, self.head.logits(h[0])[0]
+
+    def release(self, n: int) -> None:
+        """Nothing draft-only to drop."""
+
+
 class CatsDecoder:
     """Self-speculative cascaded decoding on an :class:`OffloadedTarget`.
 
     Args:
         target: the budgeted target. head: the exit head at layer ``E = head.layer``
-            (E <= resident layers: drafting reads nothing from storage).
+            (E <= leading resident layers: drafting reads nothing from storage), or a
+            draft object with ``split``, ``step`` and ``release``
+            (:class:`ExitDraft`, :class:`~.skip.SkipDraft`).
         depth: the most draft tokens per block (1..8). gate: the cascade's gate on the
             block's draft probability (0: off). width: 1 + the number of sibling
             candidates of the block's first token (greedy, :mod:`.siblings`; 1: a chain).
@@ -145,24 +171,22 @@ class CatsDecoder:
         ValueError: the exit layer is not resident or depth is outside 1..8.
     """
 
-    def __init__(self, target: OffloadedTarget, head: ExitHead, depth: int,
+    def __init__(self, target: OffloadedTarget, head, depth: int,
                  gate: float = 0.0, width: int = 1):
-        if head.layer > target.R or head.layer >= target.num_layers:
-            raise ValueError(f"exit layer {head.layer} is not resident (R={target.R})")
+        draft = ExitDraft(target, head) if isinstance(head, ExitHead) else head
         if not 1 <= depth <= 8:
             raise ValueError(f"depth {depth} outside 1..8")
-        self.t, self.head, self.depth, self.gate = target, head, int(depth), float(gate)
-        self.E, self.width, self.sibling_hits = head.layer, max(1, int(width)), 0
+        self.t, self.draft, self.depth, self.gate = target, draft, int(depth), float(gate)
+        self.E, self.width, self.sibling_hits = draft.split, max(1, int(width)), 0
 
     def _draft(self, ids: list[int], k: int, cfg, seed: int):
         """Up to ``k`` draft tokens from the resident layers (stage 1-2). Returns
-        ``(drafts, qs, residual streams at layer E of [ids[-1], d_1..d_{g-1}], the exit
-        logits after ids[-1] [V])``."""
+        ``(drafts, qs, residual streams at the split S of [ids[-1], d_1..d_{g-1}], the
+        draft logits after ids[-1] [V])``; draft-only cache entries are dropped."""
         drafts, qs, hs, x, mass, first = [], [], [], ids[-1], 1.0, None
         for j in range(k):
-            h = self.t.run_layers(self.t.embed([x]), 0, self.E)
+            h, lg = self.draft.step(x)
             hs.append(h)
-            lg = self.head.logits(h[0])[0]
             first = lg if first is None else first
             gen = rng.generator(seed, rng.LOCAL_DRAFT, len(ids) + j)
             tok, q = S.sample_next(lg, cfg, ids + drafts, gen)
@@ -172,6 +196,7 @@ class CatsDecoder:
             mass *= float(q[tok]) if q is not None else float(torch.softmax(lg, -1).max())
             if mass < self.gate:
                 break
+        self.draft.release(len(ids) - 1)
         return drafts, qs, hs, first
 
     def round(self, ids: list[int], k: int, cfg, seed: int) -> tuple[list[int], int, int]:

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LocalTarget:
-    """An opened local target: the runner, its plan, its exit head (None before
-    :func:`local_head`) and the tokenizer."""
+    """An opened local target: the runner, its plan, its drafting head (an exit head,
+    or a :class:`~.skip.SkipDraft` for a ``skip`` plan; None before one is attached)
+    and the tokenizer."""
 
     target: OffloadedTarget
     plan: Plan
@@ -87,7 +88,8 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     s = sizes_of(store, config)
     p = plan(s, parse_bytes(budget, s.weights), store.profile.bytes_per_s, max_ctx)
-    t = OffloadedTarget(store, config, p.resident_layers, DTYPES[dtype], p.resident_embed)
+    t = OffloadedTarget(store, config, p.resident_layers, DTYPES[dtype], p.resident_embed,
+                        p.tail_layers)
     try:
         t.model.generation_config = GenerationConfig.from_pretrained(folder,
                                                                      local_files_only=True)

@@ -1,6 +1,7 @@
-"""A memory-budgeted local target: the first ``R`` decoder layers (and the final norm
-and LM head) resident, the other layers streamed from storage into ONE reusable set
-of layer buffers per forward pass (CATS, "parameter offloading patterns": the layers
+"""A memory-budgeted local target: ``R`` decoder layers (and the final norm and LM head)
+resident -- the first ``R``, or the first ``R1`` and the last ``R2`` (``R1 + R2 = R``,
+for the layer-skipping draft of :mod:`.skip`) -- the other layers streamed from storage
+into ONE reusable set of layer buffers per forward pass (CATS, "parameter offloading patterns": the layers
 that do not fit the budget are loaded per pass; the peak footprint stays at resident
 weights + one streamed layer + KV cache, never the whole target).
 
@@ -29,7 +30,8 @@ __all__ = ["OffloadedTarget"]
 
 
 class OffloadedTarget:
-    """The target with decoder layers ``0..R-1`` resident and ``R..L-1`` streamed.
+    """The target with decoder layers ``0..R1-1`` and ``L-R2..L-1`` resident
+    (``R1 = R - R2``; by default ``R2 = 0``: the first R) and ``R1..L-R2-1`` streamed.
 
     Args:
         storage: the checkpoint (keys ``model.layers.{i}.*``, ``model.norm.weight``,
@@ -37,17 +39,25 @@ class OffloadedTarget:
         config: the model's HF config. resident_layers: R in 0..L.
         dtype: compute dtype (the file's tensors are cast). resident_embed: keep the
             embedding table in memory (else rows are read from storage per token).
+        tail_layers: R2 in 0..R, the resident layers taken from the end.
     Raises:
-        ValueError: R outside 0..L. KeyError: a tensor missing from the file.
+        ValueError: R outside 0..L or R2 outside 0..R. KeyError: a tensor missing
+        from the file.
     """
 
     def __init__(self, storage: Storage, config, resident_layers: int,
-                 dtype: torch.dtype = torch.float32, resident_embed: bool = False):
+                 dtype: torch.dtype = torch.float32, resident_embed: bool = False,
+                 tail_layers: int = 0):
         L = int(config.num_hidden_layers)
         if not 0 <= resident_layers <= L:
             raise ValueError(f"resident_layers={resident_layers} outside 0..{L}")
+        if not 0 <= tail_layers <= resident_layers:
+            raise ValueError(f"tail_layers={tail_layers} outside 0..{resident_layers}")
         self.storage, self.config, self.dtype = storage, config, dtype
         self.num_layers, self.R = L, int(resident_layers)
+        self.R2 = 0 if self.R == L else int(tail_layers)
+        self.R1 = self.R - self.R2
+        self.resident = frozenset(range(self.R1)) | frozenset(range(L - self.R2, L))
         self.resident_embed = resident_embed or "lm_head.weight" not in storage.entries
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -63,7 +73,7 @@ class OffloadedTarget:
         keys = ["model.norm.weight", "lm_head.weight"]
         if self.resident_embed:
             keys.append("model.embed_tokens.weight")
-        pre = tuple(f"model.layers.{i}." for i in range(self.R))
+        pre = tuple(f"model.layers.{i}." for i in sorted(self.resident))
         keys += [k for k in self.storage.entries if k.startswith(pre)]
         return [k for k in keys if k in self.storage.entries]
 
@@ -81,7 +91,7 @@ class OffloadedTarget:
         """The one reusable decoder layer the streamed layers are loaded into."""
         layer_cls = type(self.model.model.layers[0])
         with torch.device("meta"):
-            buf = layer_cls(self.config, layer_idx=self.R).to(self.dtype)
+            buf = layer_cls(self.config, layer_idx=self.R1).to(self.dtype)
         # cast on meta, then allocate: never a float32 copy (it would stay in the RSS)
         return buf.to_empty(device="cpu").eval().requires_grad_(False)
 
@@ -108,9 +118,9 @@ class OffloadedTarget:
     def layer(self, i: int) -> torch.nn.Module:
         """Decoder layer ``i``, ready to run: the resident module, or the buffer loaded
         with layer ``i``'s weights from storage (its attention writes cache slot i)."""
-        if i < self.R:
+        if i in self.resident:
             return self.model.model.layers[i]
-        self.streamed_passes += i == self.R
+        self.streamed_passes += i == self.R1
         for name, p in self.buffer.named_parameters():
             self.storage.read_into(f"model.layers.{i}.{name}", p.data)
         self.buffer.self_attn.layer_idx = i
@@ -162,9 +172,12 @@ class OffloadedTarget:
         h = self.run_layers(self.embed(ids), 0, self.num_layers)
         return self.logits(h)
 
-    def crop(self, n: int) -> None:
-        """Keep the first ``n`` cached tokens of every layer (longer layers only)."""
-        for lay in self.cache.layers:
+    def crop(self, n: int, layers: range | None = None) -> None:
+        """Keep the first ``n`` cached tokens of every layer (longer layers only), or of
+        the layers in ``layers``."""
+        for i, lay in enumerate(self.cache.layers):
+            if layers is not None and i not in layers:
+                continue
             have = int(lay.get_seq_length())
             if have > n:
                 lay.crop(n - have)

@@ -4,7 +4,8 @@ drafting head, that generates with CATS or with the target alone.
 Building one: :func:`build_local` opens the checkpoint under the budget
 (:func:`~edge_sdk.local_target.load.open_local_target`) and gets the tuned exit head at
 the plan's exit layer (cached, else fitted on the calibration sequences the caller
-passes). Drafting depth and the cascade's gate come from the plan (:mod:`.budget`).
+passes), or, for a ``skip`` plan, the layer-skipping draft (:mod:`.skip`: nothing to
+fit). Drafting depth and the cascade's gate come from the plan (:mod:`.budget`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ def build_local(name: str, budget, storage: str = "nvme", dtype: str = "bfloat16
     if method not in ("cats", "ar"):
         raise ValueError(f"local method {method!r}: expected cats or ar")
     local = open_local_target(name, budget, storage, dtype)
-    if method == "cats" and local.plan.exit_layer:
+    if method == "cats" and local.plan.draft == "skip" and local.plan.depth:
+        from edge_sdk.local_target.skip import SkipDraft
+        local.head = SkipDraft(local.target, 32768)
+    elif method == "cats" and local.plan.exit_layer:
         store = local.target.storage
         prof, store.profile = store.profile, PROFILES["ram"]     # fit unthrottled
         try:

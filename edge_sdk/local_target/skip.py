@@ -1,0 +1,81 @@
+"""The layer-skipping self-speculative draft of CATS: the first ``R1`` and the last
+``R2`` decoder layers are resident (``R1 + R2 = R``), the middle ``R1..L-R2-1`` are
+streamed; a draft token runs the resident layers only, in order, then the model's own
+final norm + LM head (Draft & Verify, Zhang et al. 2023, §3.1: the draft is the target
+with intermediate layers skipped; LayerSkip, Elhoushi et al. 2024, §4; SWIFT, Xia et
+al. 2024). No exit head to fit: the last layers already map into the head's space, so
+the draft agrees with the target far more often than an early exit from the same
+resident bytes (``bench/probes/skip_agreement.py``; :data:`.budget.SKIP_AGREEMENT`).
+
+Caches (CASES.md 7, 11). Layers ``0..R1-1`` see the target's own inputs, so the keys
+and values the draft writes there are the target's and are kept. The last ``R2``
+layers see a different input on the draft path (the residual stream at ``R1`` instead
+of at ``L-R2``): the draft's entries there are draft-only. The draft attends to the
+TRUE entries of the confirmed prefix in those layers (the full pass wrote them) plus
+its own entries for the block, and :meth:`SkipDraft.release` crops those layers back
+to the prefix before the verification pass, which runs layers ``R1..L-1`` on the stored
+residual streams at ``R1`` (same position ids) and writes the true keys/values of
+every layer it runs. No second cache: the draft-only entries live in the tail layers'
+cache slots between drafting and verification only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edge_sdk.exit_head import _head_rows, restricted_vocab
+from edge_sdk.local_target.runner import OffloadedTarget
+
+__all__ = ["SkipDraft"]
+
+
+class SkipDraft:
+    """Drafting by skipping the streamed middle layers of ``target``.
+
+    Args:
+        target: an :class:`OffloadedTarget` with ``R2 = target.R2 >= 1`` tail layers
+            resident and ``R1 = target.R1 >= 1`` leading ones.
+        vocab: the draft's vocabulary: the first ``vocab`` ids plus the special ones
+            (:func:`edge_sdk.exit_head.restricted_vocab`; None: all), so the draft's head
+            costs a fraction of the full one (FR-Spec's frequency-ranked subset).
+    Attributes:
+        split: ``R1``, the first layer the verification pass runs.
+    Raises:
+        ValueError: no tail or no leading resident layer, or nothing skipped.
+    """
+
+    def __init__(self, target: OffloadedTarget, vocab: int | None = 32768):
+        if target.R2 < 1 or target.R1 < 1 or target.R >= target.num_layers:
+            raise ValueError(f"a skip draft needs R1, R2 >= 1 and a streamed middle "
+                             f"(R1={target.R1}, R2={target.R2}, L={target.num_layers})")
+        self.t, self.split = target, target.R1
+        self.tail = range(target.num_layers - target.R2, target.num_layers)
+        self.vocab_ids = restricted_vocab(target.model, vocab)
+        self._rows = _head_rows(target.model.get_output_embeddings().weight, self.vocab_ids)
+        self.name = f"skip-{target.R1}+{target.R2}-v{vocab or 'full'}"
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + the restricted LM head of the last layer's output [T, H] ->
+        float32 [T, V] (ids outside the draft vocabulary: ``-inf``)."""
+        h = self.t.model.model.norm(h)
+        small = torch.cat([h @ r.T for r in self._rows], -1).float()
+        if self.vocab_ids is None:
+            return small
+        out = torch.full((h.shape[0], int(self.t.config.vocab_size)), float("-inf"))
+        out[:, self.vocab_ids] = small
+        return out
+
+    def step(self, tok: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft token's pass over ``tok`` at the next position: layers
+        ``0..R1-1`` (target KV, kept) then the tail (draft-only KV). Returns the
+        residual stream at ``R1`` [1, 1, H] (the verification pass's input) and the
+        draft logits float32 [V]."""
+        h = self.t.run_layers(self.t.embed([tok]), 0, self.split)
+        g = self.t.run_layers(h, self.tail.start, self.tail.stop)
+        return h, self.logits(g[0])[0]
+
+    def release(self, n: int) -> None:
+        """Drop the draft-only entries: the tail layers' caches back to ``n`` tokens
+        (the confirmed prefix minus its last token), before the verification pass."""
+        self.t.crop(n, self.tail)

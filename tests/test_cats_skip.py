@@ -1,0 +1,144 @@
+"""CATS with the layer-skipping draft (first R1 + last R2 layers resident, the middle
+streamed; :mod:`edge_sdk.local_target.skip`): greedy output is the target's token for
+token over rounds with partial acceptance, chain and siblings (CASES.md 1, 11); after
+every round every layer's cache holds exactly the target's keys/values of the
+confirmed prefix minus its last token, the tail layers' draft-only entries gone
+(CASES.md 7); a block without drafts samples what the target alone does; sampled
+output follows the target's distribution (CASES.md 3-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import tiny_model
+from edge_sdk.local_target.cats import CatsDecoder, _prefill, decode_ar
+from edge_sdk.local_target.runner import OffloadedTarget
+from edge_sdk.local_target.skip import SkipDraft
+from edge_sdk.local_target.storage import Storage
+from edge_sdk.protocol import sampling as S
+from test_cats import P8, PROMPT, _exact_pairs
+from test_e2e_distribution import pvalue
+
+
+def _target(tmp_path, model, R, R2):
+    path = tmp_path / "m.safetensors"
+    if not path.exists():
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return OffloadedTarget(Storage(path), model.config, R, tail_layers=R2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(layers=6, seed=3)
+
+
+def test_the_resident_set_is_the_first_r1_and_the_last_r2(tmp_path, model):
+    t = _target(tmp_path, model, 4, 2)
+    assert (t.R1, t.R2) == (2, 2) and t.resident == {0, 1, 4, 5}
+    meta = [any(p.device.type == "meta" for p in lay.parameters())
+            for lay in t.model.model.layers]
+    assert meta == [False, False, True, True, False, False]
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    head = sum(p.numel() * 4 for p in (model.lm_head.weight, model.model.norm.weight))
+    rope = sum(b.numel() * 4 for b in t.model.model.rotary_emb.buffers())
+    assert t.resident_bytes() == head + 5 * layer + rope       # 4 resident + the buffer
+    with pytest.raises(ValueError, match="tail_layers"):
+        _target(tmp_path, model, 2, 3)
+    with pytest.raises(ValueError, match="skip draft"):
+        SkipDraft(_target(tmp_path, model, 4, 0))
+
+
+def test_greedy_identity_with_partial_acceptance(tmp_path, model):
+    ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False,
+                         eos_token_id=None)[0, len(PROMPT):].tolist()
+    partial = hits = 0
+    for R, R2 in ((4, 2), (3, 1), (2, 1), (5, 3)):
+        t = _target(tmp_path, model, R, R2)
+        assert decode_ar(t, PROMPT, 40, S.SamplingConfig())[0] == ref
+        for vocab in (None, 40):
+            for depth, width in ((1, 1), (3, 1), (8, 1), (3, 4)):
+                dec = CatsDecoder(t, SkipDraft(t, vocab), depth, width=width)
+                toks, st = dec.generate(PROMPT, 40, S.SamplingConfig())
+                assert toks == ref, (R, R2, vocab, depth, width)
+                assert st.committed == 40
+                partial += sum(0 < a < depth for a in st.accepted_per_round)
+                hits += st.sibling_hits
+                assert all(t.cache_len(i) == len(PROMPT) + 40 - 1 for i in range(6))
+    assert partial > 0 and hits > 0
+
+
+def test_every_round_leaves_the_targets_own_cache(tmp_path, model):
+    """Round by round (chain and siblings): every layer holds the confirmed prefix minus
+    its last token, with the keys/values a fresh full prefill of it computes (the tail
+    layers' draft-only entries are dropped and rewritten by the verification pass);
+    the streamed layers run once per round."""
+    t = _target(tmp_path, model, 4, 2)
+    ref = _target(tmp_path, model, 6, 0)
+    for width in (1, 4):
+        dec = CatsDecoder(t, SkipDraft(t, None), 4, width=width)
+        ids = list(PROMPT)
+        _prefill(t, ids)
+        for _ in range(8):
+            n0 = t.streamed_passes
+            new, g, a = dec.round(ids, 4, S.SamplingConfig(), 0)
+            assert t.streamed_passes - n0 == 1
+            ids += new
+            t.crop(len(ids) - 1)
+            assert all(t.cache_len(i) == len(ids) - 1 for i in range(6))
+            _prefill(ref, ids)
+            for i in range(6):
+                a_, b_ = t.cache.layers[i], ref.cache.layers[i]
+                torch.testing.assert_close(a_.keys, b_.keys, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(a_.values, b_.values, rtol=1e-4, atol=1e-4)
+
+
+def test_the_draft_attends_to_the_true_prefix_in_the_tail(tmp_path, model):
+    """A draft token's logits are the skip path's: layers 0..R1-1 then the tail, whose
+    attention sees the target's entries of the prefix plus the draft's own."""
+    t = _target(tmp_path, model, 4, 2)
+    d = SkipDraft(t, None)
+    _prefill(t, PROMPT)
+    h, lg = d.step(PROMPT[-1])
+    ref = _target(tmp_path, model, 6, 0)                      # the whole target
+    _prefill(ref, PROMPT)
+    x = ref.run_layers(ref.run_layers(ref.embed([PROMPT[-1]]), 0, 2), 4, 6)
+    want = ref.logits(x)[0]
+    torch.testing.assert_close(lg, want, rtol=1e-4, atol=1e-4)
+    d.release(len(PROMPT) - 1)
+    assert [t.cache_len(i) for i in range(6)] == [4, 4, 3, 3, 3, 3]
+
+
+def test_a_block_without_drafts_samples_what_the_target_alone_does(tmp_path, model):
+    t = _target(tmp_path, model, 4, 2)
+    cfg = S.SamplingConfig(temperature=0.9, top_k=20)
+    dec = CatsDecoder(t, SkipDraft(t, None), 1)
+    for seed in range(5):
+        ar, _ = decode_ar(t, PROMPT, 6, cfg, seed=seed)
+        ids = list(PROMPT)
+        _prefill(t, ids)
+        for _ in range(6):
+            new, g, a = dec.round(ids, 0, cfg, seed)
+            ids += new
+            t.crop(len(ids) - 1)
+        assert ids[len(PROMPT):] == ar
+
+
+@pytest.mark.parametrize("cfg", [S.SamplingConfig(temperature=1.0),
+                                 S.SamplingConfig(temperature=0.8, top_p=0.9,
+                                                  repetition_penalty=1.3)],
+                         ids=["plain", "processors"])
+def test_sampled_pairs_follow_the_target_distribution(tmp_path, cfg):
+    V = 8
+    model = tiny_model(vocab=V, layers=4, seed=5)
+    t = _target(tmp_path, model, 2, 1)                       # layers 0 and 3 resident
+    dec = CatsDecoder(t, SkipDraft(t, 6), 2)                  # draft vocabulary: 6 of 8
+    counts, drafted, accepted = np.zeros(V * V), 0, 0
+    for seed in range(1500):
+        toks, st = dec.generate(P8, 2, cfg, seed=seed)
+        counts[toks[0] * V + toks[1]] += 1
+        drafted, accepted = drafted + st.drafted, accepted + st.accepted
+    assert 0 < accepted < drafted
+    assert pvalue(counts, _exact_pairs(model, cfg, V)) > 1e-3
