@@ -32,7 +32,7 @@ def load_source(src, dtype: str = "float32", threads: int | None = None):
     from edge_sdk.models import load_model
 
     from edge_sdk.packed import packed_default
-    return load_model(src, dtype=dtype, threads=threads)
+    return load_model(src, dtype=dtype, threads=threads, packed=packed_default())
 
 
 def split_cpus(cloud: Sequence[int] | None = None,
@@ -105,8 +105,11 @@ async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     queue = app[SERVICE].queue
+    from edge_sdk.packed import PackedLinear
+
     conn.send({"port": port, "raw_key": raw_key, "load_s": load_s, "pid": os.getpid(),
-               "vocab_size": int(model.config.vocab_size), "max_batch": queue.max_batch})
+               "vocab_size": int(model.config.vocab_size), "max_batch": queue.max_batch,
+               "packed_linears": any(isinstance(m, PackedLinear) for m in model.modules())})
     loop = asyncio.get_running_loop()
     while True:
         try:

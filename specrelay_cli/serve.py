@@ -112,7 +112,7 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
     from edge_sdk.models import load_model
 
     from edge_sdk.packed import packed_default
-    target, tok = load_model(model, dtype=dtype, threads=threads)
+    target, tok = load_model(model, dtype=dtype, threads=threads, packed=packed_default())
     try:
         head = early_head_for(target, tok, early_exit, model)
     except ValueError as e:

@@ -86,3 +86,13 @@ def test_greedy_identity_with_a_packed_bf16_target_through_the_server():
     assert [o.token_ids for o in outs] == [ref.token_ids] * 2
     n = len(ref.token_ids)
     assert ref.token_ids == ref_hf[:n]
+
+
+def test_the_bench_cloud_process_serves_a_packed_target():
+    """The bench's cloud process (same loader as ``specrelay serve``) packs a bf16 preset
+    and says so in its handshake (the bench's ``packed_linears``)."""
+    from bench.cloud_process import CloudServerProcess
+
+    with CloudServerProcess("smollm2-135m", cpus=None, threads=1, auth=False,
+                            dtype="bfloat16") as cloud:
+        assert cloud.wait_ready()["packed_linears"] is True

@@ -70,7 +70,7 @@ def load_target(target, dtype: str = "float32", threads: int | None = None):
     from edge_sdk.models import load_model
 
     from edge_sdk.packed import packed_default
-    return load_model(target, dtype=dtype, threads=threads)
+    return load_model(target, dtype=dtype, threads=threads, packed=packed_default())
 
 
 def target_name(target) -> str:
