@@ -32,8 +32,9 @@ from edge_sdk.packed import PackedLinear, _agrees, packing_supported
 
 __all__ = ["PackedHead", "CHUNK_ROWS", "packed_nbytes"]
 
-CHUNK_ROWS = 16384
-"""Rows per packed chunk (bf16, H=1536: 50 MB; a multiple of oneDNN's row block)."""
+CHUNK_ROWS = 8192
+"""Rows per packed chunk (bf16, H=1536: 25 MB, the build's transient; a multiple of
+oneDNN's row block)."""
 
 
 def packed_nbytes(t: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ from edge_sdk.exit_store import load_exit_head, save_exit_head
 from edge_sdk.local_target.budget import Plan, Sizes, parse_bytes, plan
 from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.storage import Storage, parse_profile
-from edge_sdk.packed import packed_default
+from edge_sdk.packed import packed_default, packing_supported
 
 __all__ = ["LocalTarget", "sizes_of", "checkpoint_dir", "open_local_target",
            "fit_local_head", "local_head", "DRAFT_VOCAB"]
@@ -92,7 +92,9 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     store = Storage(folder / "model.safetensors", parse_profile(storage))
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     s = sizes_of(store, config)
-    p = plan(s, parse_bytes(budget, s.weights), store.profile.bytes_per_s, max_ctx)
+    packed = packed_default() and packing_supported() and dtype == "bfloat16"
+    p = plan(s, parse_bytes(budget, s.weights), store.profile.bytes_per_s, max_ctx,
+             packed=packed)
     try:
         gen = GenerationConfig.from_pretrained(folder, local_files_only=True)
     except OSError:
@@ -103,7 +105,7 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     pack_head = not (p.draft == "exit" and p.depth)
     ids = restricted_vocab(SimpleNamespace(config=config, generation_config=gen), DRAFT_VOCAB)
     t = OffloadedTarget(store, config, p.resident_layers, DTYPES[dtype], p.resident_embed,
-                        p.tail_layers, packed=packed_default(), pack_head=pack_head,
+                        p.tail_layers, packed=packed, pack_head=pack_head,
                         draft_ids=ids)
     if gen is not None:
         t.model.generation_config = gen

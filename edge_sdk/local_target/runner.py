@@ -44,6 +44,17 @@ from edge_sdk.packed import PackedLinear, pack_linears, packing_supported
 __all__ = ["OffloadedTarget"]
 
 
+def _trim() -> None:
+    """Return the freed dense weights' heap pages to the OS (glibc ``malloc_trim``;
+    ~40 MB of fragments after packing the 1.5B target's resident set); elsewhere a
+    no-op."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class OffloadedTarget:
     """The target with decoder layers ``0..R1-1`` and ``L-R2..L-1`` resident
     (``R1 = R - R2``; by default ``R2 = 0``: the first R) and ``R1..L-R2-1`` streamed.
@@ -90,6 +101,7 @@ class OffloadedTarget:
         if self.packed:
             for i in sorted(self.resident):
                 pack_linears(self.model.model.layers[i])
+            _trim()
         inner = self.model.model
         inner.rotary_emb = type(inner.rotary_emb)(config=config)      # real inv_freq
         self.buffer = self._make_buffer() if self.R < L else None
