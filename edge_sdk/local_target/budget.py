@@ -74,7 +74,7 @@ MEM_BW = 14e9
 """Effective bandwidth (bytes/s) of a dense bf16 weight in a CPU pass (``F.linear``
 reorders it for oneDNN per call): one thread, Qwen2.5-Coder-1.5B after a 200-token
 context, a 93.6 MB decoder layer 6.5 ms for 1 token (7.6 for 8), the 467 MB head 28.6
-ms (``/tmp`` probe recorded in docs/figures/cats/packed/README.md)."""
+ms (``python -m bench.probes.local_pass_cost``, docs/figures/cats/packed/)."""
 
 MEM_BW_PACKED = 22e9
 """The same for a weight prepacked for oneDNN (:mod:`edge_sdk.packed`): a layer 4.4 ms
