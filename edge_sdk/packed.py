@@ -93,23 +93,28 @@ def pack_linears(model: torch.nn.Module) -> int:
     if not packing_supported():
         return 0
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # names first, modules fetched one at a time: a replaced dense weight is freed before
+    # the next one is packed (the transient peak is one linear, not the whole model)
+    sites = [(pn, cn) for pn, parent in model.named_modules()
+             for cn, child in parent.named_children() if type(child) is torch.nn.Linear]
     n = skipped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is not torch.nn.Linear or child.weight.device.type != "cpu"
-                    or child.weight.dtype != torch.bfloat16):
-                continue
-            try:
-                new = PackedLinear(child, keep_dense=child is out_emb)
-                ok = _agrees(child, new)
-            except RuntimeError as e:           # oneDNN refused the shape or dtype
-                log.debug("not packing %s: %s", name, e)
-                ok = False
-            if not ok:
-                skipped += 1
-                continue
-            setattr(parent, name, new)
-            n += 1
+    for pn, cn in sites:
+        parent = model.get_submodule(pn)
+        child = getattr(parent, cn)
+        if child.weight.device.type != "cpu" or child.weight.dtype != torch.bfloat16:
+            continue
+        try:
+            new = PackedLinear(child, keep_dense=child is out_emb)
+            ok = _agrees(child, new)
+        except RuntimeError as e:           # oneDNN refused the shape or dtype
+            log.debug("not packing %s.%s: %s", pn, cn, e)
+            ok = False
+        if not ok:
+            skipped += 1
+            continue
+        setattr(parent, cn, new)
+        del child, new
+        n += 1
     if skipped:
         log.info("packed %d linear layers; %d left unpacked", n, skipped)
     return n

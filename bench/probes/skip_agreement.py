@@ -37,7 +37,14 @@ Variants: ``--translate`` adds ``skip+T``, the skip draft with an affine map fro
 residual stream at ``R1`` to the one at ``L-R2`` fitted on the calibration text
 (:func:`fit_skip_translator`); ``--prefix-only`` makes the block rows attend in the
 tail layers to the true prefix and themselves only. Both measured worse than the plain
-skip draft (docs/figures/cats/skip/translator.md, prefix_only.md).
+skip draft (docs/figures/cats/skip/translator.md, prefix_only.md). ``--sublayer`` adds
+``attn R1+R2``: the middle layers ``R1..L-R2-1`` skip only their MLP sublayer, their
+attention runs (resident: 11 MB a layer against the MLP's 83 MB, so the attention of
+all 18 middle layers of a 2+8 split costs about the two full layers a 2+10 split
+has more; SWIFT, Xia et al. 2024, §3 and Draft & Verify, Zhang et al. 2023, §3.1 skip
+attention and MLP sublayers separately). Their block rows attend, like the tail's, to
+the middle layers' TRUE prefix entries and the block's own draft-only rows (cropped
+before verification in a decoder). ``--no-exit`` skips the exit heads.
 Output: a markdown table on stdout (and ``--json PATH``).
 """
 
@@ -112,6 +119,45 @@ def fit_skip_translator(X, Y, ridge: float = 1e-3):
     return wb[:-1].float(), wb[-1].float()
 
 
+def attention_only(t, h, a: int, b: int, pos, mask):
+    """Layers ``a..b-1`` of ``t`` on ``h`` [1, q, H] with only their attention sublayer
+    (``h + attn(norm(h))``; the MLP sublayer skipped), writing their caches (draft-only
+    entries). ``pos`` long [1, q], ``mask`` bool [1, 1, q, P + q]. Returns [1, q, H]."""
+    pe = t.model.model.rotary_emb(h, pos)
+    for i in range(a, b):
+        lay = t.layer(i)
+        o, _ = lay.self_attn(hidden_states=lay.input_layernorm(h), position_embeddings=pe,
+                             attention_mask=mask, cache=t.cache, use_cache=True)
+        h = h + o
+    return h
+
+
+def _sublayer_rows(t, x, r1: int, m: int, L: int, n: int, N: int, idx, pos, mask, ref,
+                   out: dict, D: int) -> None:
+    """``a1`` and ``acc@D`` of the split ``r1 + (L - m)`` with the middle ``r1..m-1``
+    run attention-only (their rows, like the tail's, against the true prefix entries);
+    ``own`` is not measured (recorded as ``a1``). ``x`` [1, n, H] at layer ``r1``."""
+    import torch
+
+    m1 = torch.zeros(n, N + n, dtype=torch.bool)
+    p0 = N - n                                   # the prompt's last token
+    for j in range(n):
+        m1[j, : p0 + j] = True
+        m1[j, N + j] = True
+    p1 = torch.arange(p0, p0 + n)[None]
+    h = attention_only(t, x, r1, m, p1, m1[None, None])
+    h = t.run_layers(h, m, L, p1, m1[None, None])
+    t.crop(N)
+    hit = (t.logits(h).argmax(-1) == ref).tolist()
+    out["a1"] += hit
+    out["own"] += hit
+    h = attention_only(t, x[:, idx], r1, m, pos, mask)
+    h = t.run_layers(h, m, L, pos, mask)
+    t.crop(N)
+    hb = (t.logits(h).argmax(-1) == ref[idx]).tolist()
+    out["acc"] += [_leading(hb[r:r + D]) for r in range(0, len(hb), D)]
+
+
 def _leading(hits: list[bool]) -> int:
     n = 0
     for h in hits:
@@ -143,6 +189,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--translate", action="store_true",
                     help="also the skip draft with an affine translator R1 -> L-R2")
     ap.add_argument("--only", default=None, help="comma list of R values to measure")
+    ap.add_argument("--sublayer", default=None,
+                    help="comma list of R1+R2 splits measured with the middle layers' "
+                         "attention run (MLP skipped), e.g. 2+8,3+7")
+    ap.add_argument("--no-exit", action="store_true", help="no exit heads (faster)")
     ap.add_argument("--prefix-only", action="store_true",
                     help="acc@D with block rows attending in the tail layers to the true "
                          "prefix and themselves only (not to the block's earlier rows)")
@@ -153,15 +203,16 @@ def main(argv=None) -> dict:
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     L = int(config.num_hidden_layers)
     t = OffloadedTarget(Storage(folder / "model.safetensors", PROFILES["ram"]), config, L,
-                        torch.bfloat16, resident_embed=True)
+                        torch.bfloat16, resident_embed=True, packed=True)  # bit-identical
     tok = load_tokenizer(a.target)
     splits = {R: v for R, v in SPLITS.items()
               if a.only is None or str(R) in a.only.split(",")}
-    exits = [E for E in sorted(splits) if E < L]
+    exits = [] if a.no_exit else [E for E in sorted(splits) if E < L]
+    subs = [tuple(map(int, x.split("+"))) for x in a.sublayer.split(",")] if a.sublayer else []
 
     # tuned lens at each exit layer, fitted on held-out calibration text
     xs, ys, cal = {E: [] for E in exits}, [], {i: [] for i in range(L + 1)}
-    for s in calibration_text(tok, a.fit, a.fit, 256):
+    for s in calibration_text(tok, a.fit, a.fit, 256) if exits or a.translate else ():
         t.reset()
         h = t.embed(s)
         for i in range(L):
@@ -190,7 +241,8 @@ def main(argv=None) -> dict:
     D, n = a.depth, a.tokens
     names = ([f"exit@{E}" for E in exits] + [f"lens@{E}" for E in exits]
              + [f"skip {r1}+{r2}" for E in splits for r1, r2 in splits[E]]
-             + [f"skip+T {r1}+{r2}" for r1, r2 in trans])
+             + [f"skip+T {r1}+{r2}" for r1, r2 in trans]
+             + [f"attn {r1}+{r2}" for r1, r2 in subs])
     hits = {k: {"a1": [], "own": [], "acc": []} for k in names}
     for w, prompt in _prompts(tok, a.prompts):
         cont = _greedy(t, prompt, n)
@@ -212,7 +264,12 @@ def main(argv=None) -> dict:
         idx, pos, mask = _block_rows(n, D, p0, N, a.prefix_only)
         variants = [(f"skip {r1}+{r2}", r1, r2, None) for E in splits for r1, r2 in splits[E]]
         variants += [(f"skip+T {r1}+{r2}", r1, r2, wb) for (r1, r2), wb in trans.items()]
+        variants += [(f"attn {r1}+{r2}", r1, r2, "attn") for r1, r2 in subs]
         for k, r1, r2, wb in variants:
+            if isinstance(wb, str):
+                _sublayer_rows(t, hs[r1][:, p0:], r1, L - r2, L, n, N, idx, pos, mask,
+                               ref, hits[k], D)
+                continue
             hin = hs[r1] if wb is None else (hs[r1].float() @ wb[0] + wb[1]).to(hs[r1].dtype)
             x = hin[:, p0:]
             # a1: one row per position against the true prefix

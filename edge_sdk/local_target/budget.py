@@ -15,8 +15,15 @@ after all layers (otherwise each token's row is read from storage: H*itemsize by
 Time (seconds) of one round of self-speculation with exit layer ``E <= R`` and depth
 ``k`` (memory-bound CPU decoding: a pass costs the same for 1 or k+1 tokens):
 
-    t_full  = (L - R) * W_layer / storage_bw  +  W_all / mem_bw     (streamed + compute)
-    t_draft = (E * W_layer + W_head_sub) / mem_bw                     (one draft token)
+    t_full  = (L - R) * W_layer / storage_bw                           (streamed reads)
+              + (L - R) * W_layer / MEM_BW                              (their compute)
+              + R * W_layer / bw_res + W_head / bw_head                 (resident compute)
+    t_draft = E * W_layer / bw_res + W_head_sub / bw_head             (one draft token)
+
+``bw_res`` = :data:`MEM_BW_PACKED` when the resident linears are prepacked for oneDNN
+(:mod:`edge_sdk.packed`; the streamed layers stay dense: :data:`MEM_BW`), ``bw_head``
+the same for the head (packed for the skip draft and the target alone; the early exit
+reads the dense head's rows, so its plans keep the head dense).
     tokens  = (1 - a^(k+1)) / (1 - a)       (Leviathan et al. 2023, §3.1, eq. 1)
     rate    = tokens / (t_full + k * t_draft)
 
@@ -49,7 +56,8 @@ import math
 from dataclasses import asdict, dataclass
 
 __all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "agreement", "skip_agreement",
-           "skip_split", "plan", "parse_bytes", "MEM_BW", "MAX_DEPTH", "WIDTH"]
+           "skip_split", "plan", "parse_bytes", "MEM_BW", "MEM_BW_PACKED", "MAX_DEPTH",
+           "WIDTH"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
 """Exit layer (of 28) -> tuned exit-head top-1 agreement with the final layer on
@@ -62,9 +70,16 @@ Qwen2.5-Coder-1.5B bf16, teacher-forced on 4 HumanEval + 4 MT-Bench prompts x 32
 greedy tokens (``bench/probes/skip_agreement.py``, docs/figures/cats/skip). The early
 exit at the same R: 0.22 / 0.33 (R=12), 0.20 / 0.27 (14), 0.41 / 0.78 (21)."""
 
-MEM_BW = 18e9
-"""Effective DRAM bandwidth of a CPU pass (bytes/s): a 1-token bf16 pass of the 3.1 GB
-target takes ~170 ms on 2 threads."""
+MEM_BW = 14e9
+"""Effective bandwidth (bytes/s) of a dense bf16 weight in a CPU pass (``F.linear``
+reorders it for oneDNN per call): one thread, Qwen2.5-Coder-1.5B after a 200-token
+context, a 93.6 MB decoder layer 6.5 ms for 1 token (7.6 for 8), the 467 MB head 28.6
+ms (``python -m bench.probes.local_pass_cost``, docs/figures/cats/packed/)."""
+
+MEM_BW_PACKED = 22e9
+"""The same for a weight prepacked for oneDNN (:mod:`edge_sdk.packed`): a layer 4.4 ms
+(5.5 for 8 tokens), the head 17.9 ms, the 32768-row draft sub-head 3.3 ms; the skip
+draft's token at R = 12 (2 + 10) 51.5 ms against 102.6 ms dense."""
 
 MAX_DEPTH = 8
 WIDTH = 8
@@ -190,30 +205,49 @@ def _memory(s: Sizes, R: int, embed: bool, max_ctx: int) -> int:
             + (s.embed if embed else 0) + s.kv_per_token * max_ctx + over)
 
 
-def _rate(s: Sizes, R: int, E: int, k: int, bw: float, sub_head: int):
-    """(tokens/s, t_full, t_draft, agreement) of exit ``E``, depth ``k``."""
+def _bws(packed: bool, head_packed: bool) -> tuple[float, float]:
+    """(resident layers', head's) compute bandwidth."""
+    res = MEM_BW_PACKED if packed else MEM_BW
+    return res, res if head_packed else MEM_BW
+
+
+def _t_full(s: Sizes, R: int, bw: float, packed: bool, head_packed: bool) -> float:
+    """One full pass: streamed reads + their dense compute + the resident compute."""
+    res, head = _bws(packed, head_packed)
     stream = (s.layers - R) * s.layer / bw if bw > 0 else 0.0
-    t_full = stream + (s.layers * s.layer + s.head) / MEM_BW
-    t_draft = (E * s.layer + sub_head) / MEM_BW
+    return stream + (s.layers - R) * s.layer / MEM_BW + R * s.layer / res + s.head / head
+
+
+def _rate(s: Sizes, R: int, E: int, k: int, bw: float, sub_head: int,
+          packed: bool = False):
+    """(tokens/s, t_full, t_draft, agreement) of exit ``E``, depth ``k`` (the head stays
+    dense: the exit head reads its rows)."""
+    t_full = _t_full(s, R, bw, packed, False)
+    res, head = _bws(packed, False)
+    t_draft = E * s.layer / res + sub_head / head
     a = min(agreement(E, s.layers), 0.999)
     tokens = (1 - a ** (k + 1)) / (1 - a)
     return tokens / (t_full + k * t_draft), t_full, t_draft, a
 
 
-def _skip_rate(s: Sizes, R: int, k: int, bw: float, sub_head: int):
-    """(tokens/s, t_full, t_draft, agreement) of the skip draft with R resident."""
-    _, t_full, _, _ = _rate(s, R, 0, 0, bw, 0)
-    t_draft = (R * s.layer + sub_head) / MEM_BW
+def _skip_rate(s: Sizes, R: int, k: int, bw: float, sub_head: int, packed: bool = False):
+    """(tokens/s, t_full, t_draft, agreement) of the skip draft with R resident (the
+    head packed with the layers: the draft's sub-head is its own chunks)."""
+    t_full = _t_full(s, R, bw, packed, packed)
+    res, head = _bws(packed, packed)
+    t_draft = R * s.layer / res + sub_head / head
     a = min(skip_agreement(R, s.layers), 0.999)
     tokens = (1 - a ** (k + 1)) / (1 - a)
     return tokens / (t_full + k * t_draft), t_full, t_draft, a
 
 
 def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
-         head_vocab: int = 32768, drafts: tuple = ("exit", "skip")) -> Plan:
+         head_vocab: int = 32768, drafts: tuple = ("exit", "skip"),
+         packed: bool = False) -> Plan:
     """The plan for ``budget`` bytes and ``bandwidth`` bytes/s (0: unthrottled), with
     the drafts allowed in ``drafts`` (``exit``, ``skip``; the skip draft needs a
-    streamed middle: 2 <= R < L).
+    streamed middle: 2 <= R < L); ``packed``: the resident linears prepacked (the
+    memory is the same: a packed weight replaces its dense one).
 
     Raises ValueError when not even the head + one streamed layer + KV fit."""
     if _memory(s, 0, False, max_ctx) > budget:
@@ -226,15 +260,15 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     best = None
     for E in range(1, min(R, s.layers - 1) + 1) if "exit" in drafts else ():
         for k in range(1, MAX_DEPTH + 1):
-            r = _rate(s, R, E, k, bandwidth, sub)
+            r = _rate(s, R, E, k, bandwidth, sub, packed)
             if best is None or r[0] > best[0][0]:
                 best = (r, E, k, "exit")
     if "skip" in drafts and 2 <= R < s.layers:
         for k in range(1, MAX_DEPTH + 1):
-            r = _skip_rate(s, R, k, bandwidth, sub)
+            r = _skip_rate(s, R, k, bandwidth, sub, packed)
             if best is None or r[0] > best[0][0]:
                 best = (r, 0, k, "skip")
-    t_ar = _rate(s, R, 0, 0, bandwidth, 0)[1]
+    t_ar = _t_full(s, R, bandwidth, packed, packed)        # the target alone: head packed
     if best is None or best[0][0] <= 1.0 / t_ar:   # no draft pays: the target alone
         best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0, "exit")
     (rate, t_full, t_draft, a), E, k, draft = best

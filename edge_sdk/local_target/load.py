@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Sequence
 
@@ -23,11 +24,15 @@ from edge_sdk.exit_store import load_exit_head, save_exit_head
 from edge_sdk.local_target.budget import Plan, Sizes, parse_bytes, plan
 from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.storage import Storage, parse_profile
+from edge_sdk.packed import packed_default, packing_supported
 
 __all__ = ["LocalTarget", "sizes_of", "checkpoint_dir", "open_local_target",
-           "fit_local_head", "local_head"]
+           "fit_local_head", "local_head", "DRAFT_VOCAB"]
 
 log = logging.getLogger(__name__)
+
+DRAFT_VOCAB = 32768
+"""The drafts' vocabulary: the first 32768 ids + the special ones (FR-Spec subset)."""
 
 
 @dataclass
@@ -87,14 +92,23 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     store = Storage(folder / "model.safetensors", parse_profile(storage))
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     s = sizes_of(store, config)
-    p = plan(s, parse_bytes(budget, s.weights), store.profile.bytes_per_s, max_ctx)
-    t = OffloadedTarget(store, config, p.resident_layers, DTYPES[dtype], p.resident_embed,
-                        p.tail_layers)
+    packed = packed_default() and packing_supported() and dtype == "bfloat16"
+    p = plan(s, parse_bytes(budget, s.weights), store.profile.bytes_per_s, max_ctx,
+             packed=packed)
     try:
-        t.model.generation_config = GenerationConfig.from_pretrained(folder,
-                                                                     local_files_only=True)
+        gen = GenerationConfig.from_pretrained(folder, local_files_only=True)
     except OSError:
-        pass                                     # the config's own eos ids then
+        gen = None                               # the config's own eos ids then
+    # packed (SPECRELAY_PACKED, default on): the resident linears, and the head unless
+    # the early exit's head reads its dense rows; the skip draft's vocabulary is a set
+    # of the packed head's chunks (the ids SkipDraft(t, DRAFT_VOCAB) will ask for)
+    pack_head = not (p.draft == "exit" and p.depth)
+    ids = restricted_vocab(SimpleNamespace(config=config, generation_config=gen), DRAFT_VOCAB)
+    t = OffloadedTarget(store, config, p.resident_layers, DTYPES[dtype], p.resident_embed,
+                        p.tail_layers, packed=packed, pack_head=pack_head,
+                        draft_ids=ids)
+    if gen is not None:
+        t.model.generation_config = gen
     return LocalTarget(t, p, load_tokenizer(name))
 
 

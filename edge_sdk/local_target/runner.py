@@ -17,6 +17,19 @@ own cache length, so a segment ``[a, b)`` can run ahead of the others (the draft
 resident layers) and the skipped layers get their keys/values later at the *same*
 positions (CASES.md 11; LayerSkip, Elhoushi et al. 2024, §4.2: the draft's KV of the
 shared layers is reused by the verification pass).
+
+Packing (``packed=True``, bf16): the resident layers' linears are prepacked for oneDNN
+once at build (:func:`edge_sdk.packed.pack_linears`, one linear at a time so a dense
+weight is freed before the next is packed) and the LM head is built as a
+:class:`~.head.PackedHead` straight from storage in row chunks (never dense whole),
+with the draft's vocabulary as its own chunks. Every resident byte is then a packed
+byte: the same count (no padding at these shapes) and no dense copy, so the budget's
+``M(R)`` is unchanged; :meth:`OffloadedTarget.resident_bytes` counts the packed
+tensors. The streamed layers stay dense in :attr:`OffloadedTarget.buffer`: they get new
+weights per pass, and a repack would cost the reorder that ``F.linear`` does anyway.
+A tied head (no ``lm_head.weight`` in the file: it is the resident embedding) and
+``pack_head=False`` (the early-exit draft reads the dense head's rows) keep the head
+dense.
 """
 
 from __future__ import annotations
@@ -24,9 +37,22 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from edge_sdk.local_target.head import PackedHead, packed_nbytes
 from edge_sdk.local_target.storage import Storage
+from edge_sdk.packed import PackedLinear, pack_linears, packing_supported
 
 __all__ = ["OffloadedTarget"]
+
+
+def _trim() -> None:
+    """Return the freed dense weights' heap pages to the OS (glibc ``malloc_trim``;
+    ~40 MB of fragments after packing the 1.5B target's resident set); elsewhere a
+    no-op."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class OffloadedTarget:
@@ -40,6 +66,13 @@ class OffloadedTarget:
         dtype: compute dtype (the file's tensors are cast). resident_embed: keep the
             embedding table in memory (else rows are read from storage per token).
         tail_layers: R2 in 0..R, the resident layers taken from the end.
+        packed: prepack the resident linears for oneDNN (bf16 and a oneDNN build only;
+            else ignored). pack_head: with ``packed``, the LM head too (a
+            :class:`~.head.PackedHead`; ``model.lm_head`` then has no ``.weight``).
+        draft_ids: sorted long [K], the draft's vocabulary the packed head keeps as
+            its own chunks (:meth:`~.head.PackedHead.draft`; None: no split).
+    Attributes:
+        packed: True when the resident linears are packed.
     Raises:
         ValueError: R outside 0..L or R2 outside 0..R. KeyError: a tensor missing
         from the file.
@@ -47,7 +80,8 @@ class OffloadedTarget:
 
     def __init__(self, storage: Storage, config, resident_layers: int,
                  dtype: torch.dtype = torch.float32, resident_embed: bool = False,
-                 tail_layers: int = 0):
+                 tail_layers: int = 0, packed: bool = False, pack_head: bool = True,
+                 draft_ids: torch.Tensor | None = None):
         L = int(config.num_hidden_layers)
         if not 0 <= resident_layers <= L:
             raise ValueError(f"resident_layers={resident_layers} outside 0..{L}")
@@ -62,7 +96,12 @@ class OffloadedTarget:
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self.model.eval().requires_grad_(False)
-        self._load_resident()
+        self.packed = bool(packed and dtype == torch.bfloat16 and packing_supported())
+        self._load_resident(self.packed and pack_head, draft_ids)
+        if self.packed:
+            for i in sorted(self.resident):
+                pack_linears(self.model.model.layers[i])
+            _trim()
         inner = self.model.model
         inner.rotary_emb = type(inner.rotary_emb)(config=config)      # real inv_freq
         self.buffer = self._make_buffer() if self.R < L else None
@@ -77,13 +116,23 @@ class OffloadedTarget:
         keys += [k for k in self.storage.entries if k.startswith(pre)]
         return [k for k in keys if k in self.storage.entries]
 
-    def _load_resident(self) -> None:
-        """Materialise the resident tensors (each read once, charged to the storage)."""
+    def _load_resident(self, pack_head: bool = False,
+                       draft_ids: torch.Tensor | None = None) -> None:
+        """Materialise the resident tensors (each read once, charged to the storage);
+        ``pack_head``: the untied LM head as a :class:`~.head.PackedHead` instead."""
         sd = {}
-        for k in self._resident_keys():
+        keys = self._resident_keys()
+        if pack_head and "lm_head.weight" in keys:
+            keys.remove("lm_head.weight")
+            V, H = self.storage.entries["lm_head.weight"][1]
+            rd = lambda a, b: self.storage.read_rows("lm_head.weight", a, b).to(self.dtype)
+            gather = lambda ids: torch.cat([rd(i, i + 1) for i in ids.tolist()])
+            self.model.lm_head = PackedHead(rd, V, H, draft_ids, gather)
+        for k in keys:
             sd[k] = torch.empty(self.storage.entries[k][1], dtype=self.dtype)
             self.storage.read_into(k, sd[k])
-        if "lm_head.weight" not in sd:                 # tied head: share the embedding
+        if "lm_head.weight" not in sd and not isinstance(self.model.lm_head, PackedHead):
+            # tied head: share the embedding
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         self.model.load_state_dict(sd, strict=False, assign=True)
 
@@ -103,7 +152,8 @@ class OffloadedTarget:
         return sum(self.storage.nbytes(k) for k in self.storage.entries if k.startswith(pre))
 
     def resident_bytes(self) -> int:
-        """Bytes of the materialised tensors (resident weights + the layer buffer)."""
+        """Bytes of the materialised tensors (resident weights, dense or packed, + the
+        layer buffer)."""
         seen, n = set(), 0
         mods = [self.model] + ([self.buffer] if self.buffer is not None else [])
         for m in mods:
@@ -111,6 +161,8 @@ class OffloadedTarget:
                 if t.device.type != "meta" and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     n += t.numel() * t.element_size()
+            n += sum(packed_nbytes(x.packed) for x in m.modules()
+                     if isinstance(x, PackedLinear))
         return n
 
     # ------------------------------------------------------------------ forward

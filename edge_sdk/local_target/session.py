@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 from edge_sdk.kvmodel import common_prefix
 
 from edge_sdk.local_target.cats import CatsDecoder, LocalStats, decode_ar
-from edge_sdk.local_target.load import LocalTarget, local_head, open_local_target
+from edge_sdk.local_target.load import (DRAFT_VOCAB, LocalTarget, local_head,
+                                        open_local_target)
 from edge_sdk.protocol.sampling import SamplingConfig
 
 __all__ = ["LocalSession", "build_local"]
@@ -121,7 +122,7 @@ def build_local(name: str, budget, storage: str = "nvme", dtype: str = "bfloat16
     local = open_local_target(name, budget, storage, dtype)
     if method == "cats" and local.plan.draft == "skip" and local.plan.depth:
         from edge_sdk.local_target.skip import SkipDraft
-        local.head = SkipDraft(local.target, 32768)
+        local.head = SkipDraft(local.target, DRAFT_VOCAB)
     elif method == "cats" and local.plan.exit_layer:
         store = local.target.storage
         prof, store.profile = store.profile, PROFILES["ram"]     # fit unthrottled

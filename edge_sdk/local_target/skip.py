@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from edge_sdk.exit_head import _head_rows, restricted_vocab
+from edge_sdk.local_target.head import PackedHead
 from edge_sdk.local_target.runner import OffloadedTarget
 
 __all__ = ["SkipDraft"]
@@ -51,15 +52,24 @@ class SkipDraft:
         self.t, self.split = target, target.R1
         self.tail = range(target.num_layers - target.R2, target.num_layers)
         self.vocab_ids = restricted_vocab(target.model, vocab)
-        self._rows = _head_rows(target.model.get_output_embeddings().weight, self.vocab_ids)
+        head = target.model.lm_head
+        if isinstance(head, PackedHead):        # packed: its draft chunks, or the full head
+            same = (head.draft_ids is not None and self.vocab_ids is not None
+                    and torch.equal(head.draft_ids, self.vocab_ids))
+            self._sub = head.draft if same else (
+                head if self.vocab_ids is None else lambda h: head(h)[..., self.vocab_ids])
+        else:
+            rows = _head_rows(head.weight, self.vocab_ids)
+            self._sub = lambda h: torch.cat([h @ r.T for r in rows], -1)
         self.name = f"skip-{target.R1}+{target.R2}-v{vocab or 'full'}"
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + the restricted LM head of the last layer's output [T, H] ->
-        float32 [T, V] (ids outside the draft vocabulary: ``-inf``)."""
-        h = self.t.model.model.norm(h)
-        small = torch.cat([h @ r.T for r in self._rows], -1).float()
+        float32 [T, V] (ids outside the draft vocabulary: ``-inf``). With the target's
+        :class:`~.head.PackedHead` built for this vocabulary, only its draft chunks
+        run (no extra byte)."""
+        small = self._sub(self.t.model.model.norm(h)).float()
         if self.vocab_ids is None:
             return small
         out = torch.full((h.shape[0], int(self.t.config.vocab_size)), float("-inf"))

@@ -165,6 +165,21 @@ class Storage:
         self._charge(b - a, time.perf_counter() - t0)
         return b - a
 
+    def read_rows(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Rows ``a..b-1`` of tensor ``key`` [N, ...] as a fresh tensor [b-a, ...] in the
+        file's dtype (contiguous bytes: one read, charged to the bandwidth, its pages
+        released). Raises KeyError, or ValueError for a range outside 0..N."""
+        dt, shape, lo, hi = self.entries[key]
+        if not 0 <= a <= b <= shape[0]:
+            raise ValueError(f"{key}: rows {a}..{b} outside 0..{shape[0]}")
+        row = (hi - lo) // shape[0]
+        t0 = time.perf_counter()
+        self._populate(lo + a * row, lo + b * row)
+        out = self._view(key)[a:b].clone()
+        self._release(lo + a * row, lo + b * row)
+        self._charge((b - a) * row, time.perf_counter() - t0)
+        return out
+
     def rows(self, key: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [n] of a 2-D tensor (an embedding lookup straight from storage,
         only the rows' bytes charged). Returns a fresh tensor [n, H]."""
