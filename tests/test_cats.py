@@ -78,16 +78,21 @@ def test_resident_kv_is_reused_not_recomputed(tmp_path, model):
 def test_a_block_without_drafts_samples_what_the_target_alone_does(tmp_path, model):
     t = _target(tmp_path, model, R=2)
     cfg = S.SamplingConfig(temperature=0.9, top_k=20)
-    dec = CatsDecoder(t, untrained_head(t.model, 2), 1)
-    for seed in range(5):
-        ar, _ = decode_ar(t, PROMPT, 6, cfg, seed=seed)
-        ids = list(PROMPT)
+    assert_zero_draft_rounds_match_ar(t, CatsDecoder(t, untrained_head(t.model, 2), 1), cfg)
+
+
+def assert_zero_draft_rounds_match_ar(t, dec, cfg, prompt=PROMPT, n=6, seeds=range(5)):
+    """Rounds of zero drafts draw exactly what target-alone sampling draws (shared by the
+    exit-head and layer-skip draft tests)."""
+    for seed in seeds:
+        ar, _ = decode_ar(t, prompt, n, cfg, seed=seed)
+        ids = list(prompt)
         _prefill(t, ids)
-        for _ in range(6):
+        for _ in range(n):
             new, g, a = dec.round(ids, 0, cfg, seed)
             ids += new
             t.crop(len(ids) - 1)
-        assert ids[len(PROMPT):] == ar
+        assert ids[len(prompt):] == ar
 
 
 def _exact_pairs(model, cfg, V):

@@ -19,7 +19,7 @@ from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.skip import SkipDraft
 from edge_sdk.local_target.storage import Storage
 from edge_sdk.protocol import sampling as S
-from test_cats import P8, PROMPT, _exact_pairs
+from test_cats import P8, PROMPT, _exact_pairs, assert_zero_draft_rounds_match_ar
 from test_e2e_distribution import pvalue
 
 
@@ -114,16 +114,8 @@ def test_the_draft_attends_to_the_true_prefix_in_the_tail(tmp_path, model):
 def test_a_block_without_drafts_samples_what_the_target_alone_does(tmp_path, model):
     t = _target(tmp_path, model, 4, 2)
     cfg = S.SamplingConfig(temperature=0.9, top_k=20)
-    dec = CatsDecoder(t, SkipDraft(t, None), 1)
-    for seed in range(5):
-        ar, _ = decode_ar(t, PROMPT, 6, cfg, seed=seed)
-        ids = list(PROMPT)
-        _prefill(t, ids)
-        for _ in range(6):
-            new, g, a = dec.round(ids, 0, cfg, seed)
-            ids += new
-            t.crop(len(ids) - 1)
-        assert ids[len(PROMPT):] == ar
+    assert_zero_draft_rounds_match_ar(t, CatsDecoder(t, SkipDraft(t, None), 1), cfg,
+                                      prompt=PROMPT)
 
 
 @pytest.mark.parametrize("cfg", [S.SamplingConfig(temperature=1.0),

@@ -1,4 +1,4 @@
-"""Pass costs of the budgeted local target, dense against packed (issue #17, the
+"""Pass costs of the budgeted local target, dense against packed (CATS, the
 constants of :mod:`edge_sdk.local_target.budget`: ``MEM_BW``, ``MEM_BW_PACKED``).
 
     python -m bench.probes.local_pass_cost [--packed 1] [--R 12 --R2 10] [--storage nvme]

@@ -1,5 +1,5 @@
 """Top-1 agreement of a layer-skipping self-speculative draft with the full target,
-against the early exit (tuned lens) at the same resident-layer count (issue #17).
+against the early exit (tuned lens) at the same resident-layer count (CATS).
 
     python -m bench.probes.skip_agreement [--prompts 4] [--tokens 32] [--fit 10]
 
