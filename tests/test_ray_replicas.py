@@ -277,9 +277,11 @@ def test_sibling_trees_through_two_replicas_equal_embedded(deployment, reference
 
 
 def test_simultaneous_creates_spread_over_replicas(deployment):
-    """8 creates sent at once through one ingress land 4 and 4: the router counts the
-    creates it placed (in flight included) on top of each replica's last routing
-    stats, so a burst does not herd onto the replica that looked emptiest."""
+    """8 creates sent at once through one ingress spread over both replicas: the router
+    counts the creates it placed (in flight included) on top of each replica's last
+    routing stats, so a burst does not herd onto the replica that looked emptiest
+    (herding: 8/0 or 7/1). Not exactly 4/4: sessions an earlier test of this module
+    left open on one replica rightly tilt the split (seen 5/3 in the full suite)."""
     url, signer = deployment["a"].url, deployment["signer"]
 
     async def burst():
@@ -291,7 +293,8 @@ def test_simultaneous_creates_spread_over_replicas(deployment):
     sids = [wire.unpack(body)["session_id"] for _, _, body in made]
     raw = _raw(deployment["a"], signer)
     try:
-        assert sorted(slot_of(s) for s in sids) == [0] * 4 + [1] * 4
+        slots = [slot_of(s) for s in sids]
+        assert sorted(set(slots)) == [0, 1] and min(slots.count(0), slots.count(1)) >= 3
     finally:
         for sid in sids:
             raw("DELETE", f"/v1/sessions/{sid}")
