@@ -184,7 +184,7 @@ def _config(run: _Run, runs: list, edge: dict, divergences: dict, t_begin: float
         "prompts_per_workload": {w: len(p) for w, p in run.prompt_sets.items()},
         "max_new_tokens": cfg.max_new_tokens, "depth": cfg.depth, "seed": cfg.seed,
         "concurrent_depth": cfg.concurrent_depth or cfg.depth,
-        "dtype": cfg.dtype, "auth": cfg.auth, "packed_linears": _packed(info),
+        "dtype": cfg.dtype, "auth": cfg.auth, "packed_linears": info.get("packed_linears"),
         "server_max_wait_s": cfg.server_kw.get("max_wait_s", 0.0),
         "cloud_cpus": run.cloud_cpus, "edge_cpus": run.edge_cpus,
         "cloud_threads": run.cloud_threads, "edge_threads": run.edge_threads,
@@ -260,9 +260,3 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path | None = None, progress: boo
     if out_dir is not None:
         write_outputs(results, records, out_dir)
     return results
-
-
-def _packed(info: dict) -> bool | None:
-    """Whether the cloud's target runs with oneDNN-prepacked linears (edge_sdk.packed),
-    as the cloud process reported it (None: not reported)."""
-    return info.get("packed_linears")

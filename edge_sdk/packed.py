@@ -28,7 +28,8 @@ import os
 
 import torch
 
-__all__ = ["PackedLinear", "pack_linears", "packing_supported", "packed_default"]
+__all__ = ["PackedLinear", "pack_linears", "packing_supported", "packed_default",
+           "try_pack"]
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,25 @@ def _agrees(linear: torch.nn.Linear, packed: PackedLinear) -> bool:
     return torch.equal(torch.nn.functional.linear(x, linear.weight, linear.bias), packed(x))
 
 
+def try_pack(linear: torch.nn.Linear, keep_dense: bool = False) -> PackedLinear | None:
+    """``linear`` packed, or None where it stays as it is: not a CPU bfloat16 weight, a
+    build without oneDNN packing, a shape oneDNN refuses, or a packed output that is not
+    bit-identical to ``F.linear`` on a probe input."""
+    w = linear.weight
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not packing_supported():
+        return None
+    try:
+        new = PackedLinear(linear, keep_dense=keep_dense)
+        return new if _agrees(linear, new) else None
+    except RuntimeError as e:                   # oneDNN refused the shape or dtype
+        log.debug("not packing a [%d, %d] linear: %s", *w.shape, e)
+        return None
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Replace the model's CPU bfloat16 ``nn.Linear`` layers by :class:`PackedLinear`,
-    in place. Returns the number replaced (0: unsupported build or dtype). A layer
-    whose packed output differs from ``F.linear`` on a probe input stays unpacked."""
+    in place (:func:`try_pack` per layer). Returns the number replaced (0: unsupported
+    build or dtype)."""
     if not packing_supported():
         return 0
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -101,16 +117,9 @@ def pack_linears(model: torch.nn.Module) -> int:
     for pn, cn in sites:
         parent = model.get_submodule(pn)
         child = getattr(parent, cn)
-        if child.weight.device.type != "cpu" or child.weight.dtype != torch.bfloat16:
-            continue
-        try:
-            new = PackedLinear(child, keep_dense=child is out_emb)
-            ok = _agrees(child, new)
-        except RuntimeError as e:           # oneDNN refused the shape or dtype
-            log.debug("not packing %s.%s: %s", pn, cn, e)
-            ok = False
-        if not ok:
-            skipped += 1
+        new = try_pack(child, keep_dense=child is out_emb)
+        if new is None:
+            skipped += child.weight.dtype == torch.bfloat16
             continue
         setattr(parent, cn, new)
         del child, new

@@ -20,6 +20,9 @@ from edge_sdk.protocol import sampling as S
 from test_e2e_distribution import pvalue
 
 PROMPT = [3, 5, 7, 9]
+SAMPLINGS = [S.SamplingConfig(temperature=1.0),
+             S.SamplingConfig(temperature=0.8, top_p=0.9, repetition_penalty=1.3)]
+"""The distribution tests' samplings: plain, and with every processor."""
 P8 = [3, 5, 1, 2]
 
 
@@ -108,17 +111,21 @@ def _exact_pairs(model, cfg, V):
     return (p1[:, None] * p2).reshape(-1).numpy()
 
 
-@pytest.mark.parametrize("cfg", [S.SamplingConfig(temperature=1.0),
-                                 S.SamplingConfig(temperature=0.8, top_p=0.9,
-                                                  repetition_penalty=1.3)],
-                         ids=["plain", "processors"])
+@pytest.mark.parametrize("cfg", SAMPLINGS, ids=["plain", "processors"])
 def test_sampled_pairs_follow_the_target_distribution(tmp_path, cfg):
     V = 8
     model = tiny_model(vocab=V, layers=3, seed=5)
     t = _target(tmp_path, model, R=2)
     dec = CatsDecoder(t, untrained_head(t.model, 1), 2)     # a weak draft: rejections
+    assert_pairs_follow_the_target(dec, model, cfg, V)
+
+
+def assert_pairs_follow_the_target(dec, model, cfg, V, n=1500):
+    """The first two tokens after P8 over ``n`` seeds follow the target's exact pair
+    distribution (chi-square), with rejections along the way (shared by the exit-head
+    and layer-skip draft tests)."""
     counts, drafted, accepted = np.zeros(V * V), 0, 0
-    for seed in range(1500):
+    for seed in range(n):
         toks, st = dec.generate(P8, 2, cfg, seed=seed)
         counts[toks[0] * V + toks[1]] += 1
         drafted, accepted = drafted + st.drafted, accepted + st.accepted

@@ -8,7 +8,6 @@ output follows the target's distribution (CASES.md 3-5)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -19,8 +18,8 @@ from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.skip import SkipDraft
 from edge_sdk.local_target.storage import Storage
 from edge_sdk.protocol import sampling as S
-from test_cats import P8, PROMPT, _exact_pairs, assert_zero_draft_rounds_match_ar
-from test_e2e_distribution import pvalue
+from test_cats import (PROMPT, SAMPLINGS, assert_pairs_follow_the_target,
+                       assert_zero_draft_rounds_match_ar)
 
 
 def _target(tmp_path, model, R, R2):
@@ -118,19 +117,10 @@ def test_a_block_without_drafts_samples_what_the_target_alone_does(tmp_path, mod
                                       prompt=PROMPT)
 
 
-@pytest.mark.parametrize("cfg", [S.SamplingConfig(temperature=1.0),
-                                 S.SamplingConfig(temperature=0.8, top_p=0.9,
-                                                  repetition_penalty=1.3)],
-                         ids=["plain", "processors"])
+@pytest.mark.parametrize("cfg", SAMPLINGS, ids=["plain", "processors"])
 def test_sampled_pairs_follow_the_target_distribution(tmp_path, cfg):
     V = 8
     model = tiny_model(vocab=V, layers=4, seed=5)
     t = _target(tmp_path, model, 2, 1)                       # layers 0 and 3 resident
     dec = CatsDecoder(t, SkipDraft(t, 6), 2)                  # draft vocabulary: 6 of 8
-    counts, drafted, accepted = np.zeros(V * V), 0, 0
-    for seed in range(1500):
-        toks, st = dec.generate(P8, 2, cfg, seed=seed)
-        counts[toks[0] * V + toks[1]] += 1
-        drafted, accepted = drafted + st.drafted, accepted + st.accepted
-    assert 0 < accepted < drafted
-    assert pvalue(counts, _exact_pairs(model, cfg, V)) > 1e-3
+    assert_pairs_follow_the_target(dec, model, cfg, V)

@@ -218,27 +218,30 @@ def _t_full(s: Sizes, R: int, bw: float, packed: bool, head_packed: bool) -> flo
     return stream + (s.layers - R) * s.layer / MEM_BW + R * s.layer / res + s.head / head
 
 
-def _rate(s: Sizes, R: int, E: int, k: int, bw: float, sub_head: int,
-          packed: bool = False):
-    """(tokens/s, t_full, t_draft, agreement) of exit ``E``, depth ``k`` (the head stays
-    dense: the exit head reads its rows)."""
-    t_full = _t_full(s, R, bw, packed, False)
-    res, head = _bws(packed, False)
-    t_draft = E * s.layer / res + sub_head / head
-    a = min(agreement(E, s.layers), 0.999)
+def _chain_rate(s: Sizes, R: int, draft_layers: int, a: float, k: int, bw: float,
+                sub_head: int, packed: bool, head_packed: bool):
+    """(tokens/s, t_full, t_draft, agreement) of a draft running ``draft_layers``
+    resident layers + the sub-head, per-token agreement ``a``, depth ``k``."""
+    t_full = _t_full(s, R, bw, packed, head_packed)
+    res, head = _bws(packed, head_packed)
+    t_draft = draft_layers * s.layer / res + sub_head / head
+    a = min(a, 0.999)
     tokens = (1 - a ** (k + 1)) / (1 - a)
     return tokens / (t_full + k * t_draft), t_full, t_draft, a
+
+
+def _rate(s: Sizes, R: int, E: int, k: int, bw: float, sub_head: int,
+          packed: bool = False):
+    """:func:`_chain_rate` of exit ``E`` (the head stays dense: the exit head reads its
+    rows)."""
+    return _chain_rate(s, R, E, agreement(E, s.layers), k, bw, sub_head, packed, False)
 
 
 def _skip_rate(s: Sizes, R: int, k: int, bw: float, sub_head: int, packed: bool = False):
-    """(tokens/s, t_full, t_draft, agreement) of the skip draft with R resident (the
-    head packed with the layers: the draft's sub-head is its own chunks)."""
-    t_full = _t_full(s, R, bw, packed, packed)
-    res, head = _bws(packed, packed)
-    t_draft = R * s.layer / res + sub_head / head
-    a = min(skip_agreement(R, s.layers), 0.999)
-    tokens = (1 - a ** (k + 1)) / (1 - a)
-    return tokens / (t_full + k * t_draft), t_full, t_draft, a
+    """:func:`_chain_rate` of the skip draft with R resident (the head packed with the
+    layers: the draft's sub-head is its own chunks)."""
+    return _chain_rate(s, R, R, skip_agreement(R, s.layers), k, bw, sub_head, packed,
+                       packed)
 
 
 def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,

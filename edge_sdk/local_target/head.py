@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from edge_sdk.packed import PackedLinear, _agrees, packing_supported
+from edge_sdk.packed import PackedLinear, try_pack
 
 __all__ = ["PackedHead", "CHUNK_ROWS", "packed_nbytes"]
 
@@ -57,19 +57,11 @@ class _Dense(torch.nn.Module):
 
 
 def _pack(w: torch.Tensor) -> torch.nn.Module:
-    """Rows ``w`` [n, H] (bf16) -> a :class:`PackedLinear`, or :class:`_Dense` when
-    packing is unsupported or not bit-identical on the probe input."""
+    """Rows ``w`` [n, H] -> a :class:`PackedLinear` (:func:`edge_sdk.packed.try_pack`),
+    or :class:`_Dense` where it is not packed."""
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
     lin.weight = torch.nn.Parameter(w, requires_grad=False)
-    if w.dtype != torch.bfloat16 or not packing_supported():
-        return _Dense(w)
-    try:
-        p = PackedLinear(lin)
-        if _agrees(lin, p):
-            return p
-    except RuntimeError:
-        pass
-    return _Dense(w)
+    return try_pack(lin) or _Dense(w)
 
 
 class PackedHead(torch.nn.Module):
