@@ -85,11 +85,23 @@ class ExitHead:
             h = x.to(h.dtype)
         h = self.model.model.norm(h)
         small = torch.cat([h @ r.T for r in self._rows], -1).float()   # [T, K]
-        if self.vocab_ids is None:
-            return small
-        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), device=small.device)
-        out[:, self.vocab_ids] = small
-        return out
+        return full_vocab(small, self.vocab_ids, self.vocab_size)
+
+
+def full_vocab(small: torch.Tensor, ids: torch.Tensor | None, V: int) -> torch.Tensor:
+    """Logits [T, K] over the restricted vocabulary ``ids`` -> [T, V] with ``-inf``
+    outside it (``small`` itself when ``ids`` is None)."""
+    if ids is None:
+        return small
+    out = torch.full((small.shape[0], V), float("-inf"), device=small.device)
+    out[:, ids] = small
+    return out
+
+
+def leading_run(ids: torch.Tensor) -> int:
+    """Length n0 of the leading run ``ids[:n0] == 0..n0-1`` of sorted ids [K]."""
+    off = torch.nonzero(ids != torch.arange(ids.numel(), device=ids.device))
+    return int(off[0, 0]) if off.numel() else ids.numel()
 
 
 def _head_rows(head: torch.Tensor, ids: torch.Tensor | None) -> tuple:
@@ -98,8 +110,7 @@ def _head_rows(head: torch.Tensor, ids: torch.Tensor | None) -> tuple:
     rows are copied (the edge's memory budget counts every byte; CATS)."""
     if ids is None:
         return (head,)
-    off = torch.nonzero(ids != torch.arange(ids.numel(), device=ids.device))
-    n0 = int(off[0, 0]) if off.numel() else ids.numel()
+    n0 = leading_run(ids)
     rows = (head[:n0],) if n0 else ()
     return rows + ((head[ids[n0:]].contiguous(),) if n0 < ids.numel() else ())
 

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from edge_sdk.exit_head import leading_run
 from edge_sdk.packed import PackedLinear, try_pack
 
 __all__ = ["PackedHead", "CHUNK_ROWS", "packed_nbytes"]
@@ -89,8 +90,7 @@ class PackedHead(torch.nn.Module):
             n0, extra = 0, torch.empty(0, dtype=torch.long)
         else:
             ids = draft_ids.long()
-            off = torch.nonzero(ids != torch.arange(ids.numel()))
-            n0 = int(off[0, 0]) if off.numel() else ids.numel()
+            n0 = leading_run(ids)
             extra = ids[n0:]
         self.register_buffer("draft_ids", None if draft_ids is None else
                              draft_ids.long().clone(), persistent=False)

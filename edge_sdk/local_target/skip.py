@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from edge_sdk.exit_head import _head_rows, restricted_vocab
+from edge_sdk.exit_head import _head_rows, full_vocab, restricted_vocab
 from edge_sdk.local_target.head import PackedHead
 from edge_sdk.local_target.runner import OffloadedTarget
 
@@ -70,11 +70,7 @@ class SkipDraft:
         :class:`~.head.PackedHead` built for this vocabulary, only its draft chunks
         run (no extra byte)."""
         small = self._sub(self.t.model.model.norm(h)).float()
-        if self.vocab_ids is None:
-            return small
-        out = torch.full((h.shape[0], int(self.t.config.vocab_size)), float("-inf"))
-        out[:, self.vocab_ids] = small
-        return out
+        return full_vocab(small, self.vocab_ids, int(self.t.config.vocab_size))
 
     def step(self, tok: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft token's pass over ``tok`` at the next position: layers
