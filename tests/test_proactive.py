@@ -300,7 +300,9 @@ def test_send_ahead_greedy_identity(svc, tok, close_draft, draft, reference, pro
     """Pipelined verification: blocks sent before their predecessor's verdict commit the
     target's greedy output; hits are verified ahead, misses refused and redrafted."""
     for d in (close_draft, draft):            # mostly hits / many misses
-        out = generate(svc, TorchDrafter(d), tok, delay_s=0.01, controller=controller,
+        # 30 ms each way: a proactive block of the tiny draft completes while its
+        # predecessor is in flight even on a loaded CPU (10 ms missed every hit once)
+        out = generate(svc, TorchDrafter(d), tok, delay_s=0.03, controller=controller,
                        proactive=proactive, send_ahead=True)
         assert out.token_ids == reference
         m = out.metrics
