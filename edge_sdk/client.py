@@ -13,6 +13,8 @@ Output equals the target's: greedy token-for-token, sampling in distribution
 
 from __future__ import annotations
 
+import copy
+
 from edge_sdk import correction as C
 from edge_sdk.channel import ChannelEstimator
 from edge_sdk.control import DepthController, FixedDepth, make_controller
@@ -51,9 +53,15 @@ class EdgeClient:
             on one client form the confirmed-prefix pipeline: while one request waits
             for verification, another drafts.
         controller: draft-depth policy: a registry name (``fixed|heuristic|caac|
-            ucb-specstop``, a fresh controller per request; ``controller_kw`` go to its
+            ucb-specstop``, one controller per request; ``controller_kw`` go to its
             constructor), a :class:`DepthController` (shared by every request of this
             client), or a zero-argument factory returning one. None: fixed ``depth``.
+        carry_controller: a registry-named controller of a new request starts from a
+            copy of the one the client's last finished request left (its draft-latency,
+            response-time and acceptance estimates describe the device, the link and
+            the pair, not the request; a short request would otherwise spend most of
+            its rounds warming up). False: every request starts cold. Depth only:
+            the output is the target's either way.
         proactive: ``off`` (stop-and-wait), ``ipdg`` (RAPID's interruptible proactive
             drafting: draft the next block while the current one is verified, stop at the
             first expansion step after the verdict), ``npdg`` (the non-interruptible
@@ -122,7 +130,7 @@ class EdgeClient:
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
                  ssl_context=None, local_target=None, acceptance: str = "exact",
-                 link=None, siblings=None):
+                 link=None, siblings=None, carry_controller: bool = True):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE}")
         ChannelEstimator(link)                      # validate early
@@ -153,6 +161,8 @@ class EdgeClient:
         if isinstance(controller, str):
             make_controller(controller, **(controller_kw or {}))    # validate early
         self.controller, self.controller_kw = controller, dict(controller_kw or {})
+        self.carry_controller = bool(carry_controller)
+        self._warm: dict[str, DepthController] = {}     # registry name -> last state
         self.proactive, self.proactive_roots = proactive, int(proactive_roots)
         self.send_ahead = bool(send_ahead)
         self.drafter, self.tokenizer = drafter, tokenizer
@@ -187,25 +197,36 @@ class EdgeClient:
     async def __aexit__(self, *exc):
         await self.close()
 
-    def _request_controller(self, spec, depth: int | None) -> DepthController:
+    def _request_controller(self, spec, depth: int | None
+                            ) -> tuple[DepthController, str | None]:
         """A request's depth controller: a fixed ``depth`` of the request, else its
-        ``controller`` (as in the constructor), else the client's."""
+        ``controller`` (as in the constructor), else the client's; and the registry
+        name it is carried under (:meth:`_keep_controller`), None when not carried."""
         if depth is not None:
-            return FixedDepth(depth)
+            return FixedDepth(depth), None
         spec = spec if spec is not None else self.controller
         if spec is None:
-            return FixedDepth(self.depth)
+            return FixedDepth(self.depth), None
         if isinstance(spec, DepthController):
-            return spec
+            return spec, None
         if isinstance(spec, str):
+            warm = self._warm.get(spec) if self.carry_controller else None
+            if warm is not None:
+                return copy.deepcopy(warm), spec
             kw = dict(self.controller_kw)
             if spec in ("fixed", "static"):
                 kw.setdefault("depth", self.depth)
-            return make_controller(spec, **kw)
+            return make_controller(spec, **kw), spec
         ctrl = spec()
         if not isinstance(ctrl, DepthController):
             raise TypeError("controller factory must return a DepthController")
-        return ctrl
+        return ctrl, None
+
+    def _keep_controller(self, key: str | None, ctrl: DepthController) -> None:
+        """Remember a finished request's controller as the start of the next request's
+        (``carry_controller``; the most recently finished request wins)."""
+        if key is not None and self.carry_controller:
+            self._warm[key] = copy.deepcopy(ctrl)
 
     def stream(self, prompt: str | None = None, **kw) -> Generation:
         """An async iterable of :class:`TokenEvent`; ``.result()`` afterwards. Takes the

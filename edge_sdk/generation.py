@@ -61,7 +61,7 @@ class Generation:
         self.committer: Committer | None = None
         self._leased = None if self.target_only else client._lease_drafter()
         self.pro = Lookahead(self._leased, client.proactive, client.proactive_roots)
-        self.ctrl = client._request_controller(controller, depth)
+        self.ctrl, self._ctrl_key = client._request_controller(controller, depth)
         self.channel = ChannelEstimator(client.link)
         self.sess = RemoteSession(client.transport, self._params(), self.m,
                                   self.channel.state)
@@ -218,6 +218,7 @@ class Generation:
     async def _close(self) -> None:
         self.m.finish()
         self.c._return_drafter(self._leased)
+        self.c._keep_controller(self._ctrl_key, self.ctrl)
         if self.sess.path is not None and not self.loss.offline:
             try:
                 await self.sess.delete()

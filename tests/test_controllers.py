@@ -72,6 +72,17 @@ def test_caac_slowdown_with_random_acceptance(seed):
     assert min(d[30:35]) < max(1, round(sum(d[20:30]) / 10))
 
 
+def test_caac_sustained_slowdown_stays_in_the_rate_band():
+    """A sustained 3x draft slowdown at high acceptance: the model band is priced at the
+    current draft latency, so the gate moves the depth down within the band (depths
+    3..8 are within 5 % of the best rate at tau 0.09 s, resp 0.2 s) but never below it;
+    RAPID's gate alone would cut it to round(0.21 * 8) = 2."""
+    d = drive(CAAC(), 40, alpha=0.95, tau=0.03, resp=0.2, slow_at=30, factor=3.0, seed=1)
+    lo, hi = A.near_optimal_band(0.95, 0.09, 0.2, 8, 0.05)
+    assert (lo, hi) == (3, 8)
+    assert min(d[25:30]) >= 7 and lo <= min(d[31:]) < 7     # RAPID's gate alone: 2
+
+
 def test_caac_full_acceptance_raises_depth():
     d = drive(CAAC(), 20, full=True)
     assert d[0] == 4 and d[-1] == 8 and d == sorted(d)

@@ -147,6 +147,37 @@ def test_shared_controller_object_and_factory(svc, tok, close_draft, reference):
         EdgeClient("inproc://", None, tok, proactive="maybe")
 
 
+@pytest.mark.parametrize("carry", [True, False])
+def test_named_controller_carries_over_requests(svc, tok, close_draft, reference, carry):
+    """A registry-named controller of a request starts from the state the client's last
+    finished request left (device/link/acceptance estimates), or cold with
+    ``carry_controller=False``; the output is the target's either way."""
+    seen: list[CAAC] = []
+
+    async def main():
+        async with EdgeClient("inproc://", TorchDrafter(close_draft), tok, chat=False,
+                              transport=SlowTransport(svc(), 0.002), controller="caac",
+                              carry_controller=carry) as c:
+            outs = []
+            for _ in range(2):
+                g = c.stream(prompt_ids=PROMPT, max_new_tokens=40)
+                seen.append(g.ctrl)
+                rounds0 = g.ctrl.rounds
+                async for _ev in g:
+                    pass
+                outs.append((rounds0, g.ctrl.rounds, g.result().token_ids))
+            return outs
+
+    (r0a, r1a, ids_a), (r0b, r1b, ids_b) = asyncio.run(main())
+    assert ids_a == ids_b == reference
+    assert r0a == 0 and r1a > 0
+    assert seen[0] is not seen[1]                  # a copy: requests never share one
+    if carry:
+        assert r0b == r1a and r1b > r1a            # warm: continues the first's count
+    else:
+        assert r0b == 0 and r1b == r1a             # cold: the same rounds again
+
+
 # ----------------------------------------------------------------------------- mechanism
 
 def test_ipdg_stops_after_verdict_npdg_runs_to_plan(tok, target, close_draft):
@@ -269,7 +300,9 @@ def test_send_ahead_greedy_identity(svc, tok, close_draft, draft, reference, pro
     """Pipelined verification: blocks sent before their predecessor's verdict commit the
     target's greedy output; hits are verified ahead, misses refused and redrafted."""
     for d in (close_draft, draft):            # mostly hits / many misses
-        out = generate(svc, TorchDrafter(d), tok, delay_s=0.01, controller=controller,
+        # 30 ms each way: a proactive block of the tiny draft completes while its
+        # predecessor is in flight even on a loaded CPU (10 ms missed every hit once)
+        out = generate(svc, TorchDrafter(d), tok, delay_s=0.03, controller=controller,
                        proactive=proactive, send_ahead=True)
         assert out.token_ids == reference
         m = out.metrics

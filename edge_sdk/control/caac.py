@@ -13,7 +13,8 @@ Chooses the next draft depth before each round from two paths:
   per round) drives a PID on ``e = A - A_target`` that proposes a continuous depth
   ``B_hat`` (more acceptance -> deeper), with anti-windup keeping ``B_hat in [1, L_max]``.
 
-Fusion: ``L = clamp(round(eta * B_hat), 1, L_max)``; when drafting proactively (IPDG),
+Fusion: ``L = clamp(round(eta * B_hat), 1, L_max)`` (before the model below is warm,
+and projected onto its near-optimal band after); when drafting proactively (IPDG),
 ``L <= max(1, floor(T_resp / tau_f))`` so the proactive draft does not outlast the
 expected response (``T_resp``: EWMA of send->response seconds).
 
@@ -22,18 +23,23 @@ expected response (``T_resp``: EWMA of send->response seconds).
 (discounted counts; a position with too few trials inherits the estimate of the one
 before it, position 1 the pooled per-token ``alpha``) and the round model of
 :mod:`edge_sdk.control.analytic`, the depths whose predicted rate
-``E[C_L] / (L tau_s + T_resp(L))`` (``E[C_L] = 1 + sum_j prod_{k<=j} h_k``) is within
+``E[C_L] / (L tau_f + T_resp(L))`` (``E[C_L] = 1 + sum_j prod_{k<=j} h_k``) is within
 ``model_tol`` of the best form a band (``T_resp(L)`` plus the edge's own per-round
 overhead: request building, signing, commit — ``round_s - resp_s - L tau``, EWMA).
 Per-position rates matter because real acceptance is not
 i.i.d. (measured on SmolLM2 with the trained draft at depth 8, MT-Bench / HumanEval: h_1
 0.61, h_2 0.77 / 0.48, h_3 0.53 / 0.42, deeper positions 0.5-1.0 on few trials), and a
 pooled rate misprices exactly the depths the band is choosing between. The
-PID proposal is projected onto that band before the gate (``B = clip(B_hat, band)``).
+gated PID proposal is projected onto that band (``L = clip(eta * B_hat, band)``).
 It keeps CAAC's choice whenever the model calls it near-optimal and otherwise pulls it
 to the nearest near-optimal depth — the PID alone targets an acceptance level and
-ignores how expensive a round trip is. The model uses the *baseline* ``tau_s`` so a
-transient slowdown is handled by the gate alone (not counted twice).
+ignores how expensive a round trip is. The model prices the *current* draft latency
+``tau_f``, so under a slowdown the band itself moves to the depths that are rate-optimal
+at the slower speed, and the gate only chooses within it (toward its shallow end while
+``ESR > 0``): a sustained slowdown cannot drive the depth below the near-optimal band
+for the ~20 rounds the baseline ``tau_s`` needs to catch up (RAPID's gate applied after
+a band priced at ``tau_s`` did: on the Qwen pair with a 3x slower draft, CAAC sat at
+depth 1-3 and ran at 0.75x the best fixed depth, ``specrelay bench --quick``).
 
 RAPID's constants are not public; the defaults below are our starting points.
 """
@@ -185,7 +191,7 @@ class CAAC(DepthController):
         if (not p.model_check or self.rounds < p.model_warmup or self.alpha is None
                 or not self.tau_s or self.t_resp is None):
             return None
-        return analytic.near_optimal_band(self.position_acceptance(), self.tau_s,
+        return analytic.near_optimal_band(self.position_acceptance(), self.tau_f,
                                           lambda L: self.resp_model(L) + self.t_edge,
                                           self.l_max, p.model_tol)
 
@@ -193,11 +199,11 @@ class CAAC(DepthController):
 
     def next_depth(self, stats: PlanContext | None = None) -> int:
         stats = stats or PlanContext()
-        B = self.B_hat
+        B = self.eta * self.B_hat
         band = self.model_band()
         if band is not None:
             B = min(max(B, band[0]), band[1])
-        L = self.clamp(round(self.eta * B))
+        L = self.clamp(round(B))
         cap = None
         if stats.proactive and self.tau_f and (stats.delay_s or self.t_resp):
             t_resp = stats.delay_s if stats.delay_s is not None else self.t_resp
