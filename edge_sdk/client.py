@@ -224,9 +224,10 @@ class EdgeClient:
 
     def _keep_controller(self, key: str | None, ctrl: DepthController) -> None:
         """Remember a finished request's controller as the start of the next request's
-        (``carry_controller``; the most recently finished request wins)."""
+        (``carry_controller``; the most recently finished request wins). Kept as is:
+        the request is done with it, and :meth:`_request_controller` hands out copies."""
         if key is not None and self.carry_controller:
-            self._warm[key] = copy.deepcopy(ctrl)
+            self._warm[key] = ctrl
 
     def stream(self, prompt: str | None = None, **kw) -> Generation:
         """An async iterable of :class:`TokenEvent`; ``.result()`` afterwards. Takes the
