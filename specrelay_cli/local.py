@@ -30,10 +30,10 @@ LOCAL_OPTIONS = [
 
 
 def _draft_label(p) -> str:
-    """``exit layer E`` or ``skip draft R1+R2`` of a plan."""
-    if getattr(p, "draft", "exit") == "skip":
-        return f"skip draft {p.resident_layers - p.tail_layers}+{p.tail_layers}"
-    return f"exit layer {p.exit_layer}"
+    """``exit layer E``, ``skip draft R1+R2`` or the skip draft's resident set."""
+    from edge_sdk.local_target.budget import draft_label
+
+    return draft_label(p)
 
 def calibration(tokenizer) -> list[list[int]]:
     """Held-out HumanEval/MT-Bench sequences to fit the exit head once (the cloud's FSD

@@ -1,5 +1,6 @@
 """CATS with the layer-skipping draft (first R1 + last R2 layers resident, the middle
-streamed; :mod:`edge_sdk.local_target.skip`): greedy output is the target's token for
+streamed, or any resident set: the first R1 + a tail that need not be contiguous nor
+end at the last layer; :mod:`edge_sdk.local_target.skip`): greedy output is the target's token for
 token over rounds with partial acceptance, chain and siblings (CASES.md 1, 11); after
 every round every layer's cache holds exactly the target's keys/values of the
 confirmed prefix minus its last token, the tail layers' draft-only entries gone
@@ -22,11 +23,17 @@ from test_cats import (PROMPT, SAMPLINGS, assert_pairs_follow_the_target,
                        assert_zero_draft_rounds_match_ar)
 
 
-def _target(tmp_path, model, R, R2):
+def _target(tmp_path, model, R, R2, layer_set=None):
     path = tmp_path / "m.safetensors"
     if not path.exists():
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    return OffloadedTarget(Storage(path), model.config, R, tail_layers=R2)
+    return OffloadedTarget(Storage(path), model.config, R, tail_layers=R2,
+                           layer_set=layer_set)
+
+
+SETS = [(0, 2, 3, 5), (0, 1, 3), (0, 2, 4), (0, 1, 3, 4)]
+"""Resident sets of the 6-layer model: tails with gaps, and tails that stop before the
+last layer (streamed layers after them)."""
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +57,38 @@ def test_the_resident_set_is_the_first_r1_and_the_last_r2(tmp_path, model):
         SkipDraft(_target(tmp_path, model, 4, 0))
 
 
+def test_a_resident_layer_set(tmp_path, model):
+    """Any set: R1 = the first layer not in it, the tail = the set's layers above R1;
+    only they are materialised; a malformed set is refused."""
+    t = _target(tmp_path, model, 0, 0, layer_set=(5, 0, 2, 3))
+    assert (t.R, t.R1, t.R2, t.tail) == (4, 1, 3, (2, 3, 5))
+    assert [all(p.device.type != "meta" for p in lay.parameters())
+            for lay in t.model.model.layers] == [True, False, True, True, False, True]
+    assert SkipDraft(t, None).name == "skip-1+2-3,5-vfull"
+    assert SkipDraft(_target(tmp_path, model, 0, 0, layer_set=(0, 1, 4, 5)), 40).name \
+        == "skip-2+2-v40"
+    for bad in ((0, 0, 1), (0, 6), (-1, 2)):
+        with pytest.raises(ValueError, match="layer_set"):
+            _target(tmp_path, model, 0, 0, layer_set=bad)
+    with pytest.raises(ValueError, match="layer_set"):
+        _target(tmp_path, model, 0, 1, layer_set=(0, 5))
+    with pytest.raises(ValueError, match="skip draft"):       # nothing skipped
+        SkipDraft(_target(tmp_path, model, 0, 0, layer_set=range(6)))
+
+
 def test_greedy_identity_with_partial_acceptance(tmp_path, model):
     ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False,
                          eos_token_id=None)[0, len(PROMPT):].tolist()
     partial = hits = 0
-    for R, R2 in ((4, 2), (3, 1), (2, 1), (5, 3)):
-        t = _target(tmp_path, model, R, R2)
+    for R, R2, ls in [(4, 2, None), (3, 1, None), (2, 1, None), (5, 3, None)] + [
+            (0, 0, ls) for ls in SETS]:
+        t = _target(tmp_path, model, R, R2, ls)
         assert decode_ar(t, PROMPT, 40, S.SamplingConfig())[0] == ref
         for vocab in (None, 40):
             for depth, width in ((1, 1), (3, 1), (8, 1), (3, 4)):
                 dec = CatsDecoder(t, SkipDraft(t, vocab), depth, width=width)
                 toks, st = dec.generate(PROMPT, 40, S.SamplingConfig())
-                assert toks == ref, (R, R2, vocab, depth, width)
+                assert toks == ref, (R, R2, ls, vocab, depth, width)
                 assert st.committed == 40
                 partial += sum(0 < a < depth for a in st.accepted_per_round)
                 hits += st.sibling_hits
@@ -69,12 +96,14 @@ def test_greedy_identity_with_partial_acceptance(tmp_path, model):
     assert partial > 0 and hits > 0
 
 
-def test_every_round_leaves_the_targets_own_cache(tmp_path, model):
+@pytest.mark.parametrize("layer_set", [None, (0, 2, 3, 5), (0, 1, 3)])
+def test_every_round_leaves_the_targets_own_cache(tmp_path, model, layer_set):
     """Round by round (chain and siblings): every layer holds the confirmed prefix minus
     its last token, with the keys/values a fresh full prefill of it computes (the tail
     layers' draft-only entries are dropped and rewritten by the verification pass);
     the streamed layers run once per round."""
-    t = _target(tmp_path, model, 4, 2)
+    t = _target(tmp_path, model, 4, 2) if layer_set is None else \
+        _target(tmp_path, model, 0, 0, layer_set)
     ref = _target(tmp_path, model, 6, 0)
     for width in (1, 4):
         dec = CatsDecoder(t, SkipDraft(t, None), 4, width=width)
@@ -108,6 +137,16 @@ def test_the_draft_attends_to_the_true_prefix_in_the_tail(tmp_path, model):
     torch.testing.assert_close(lg, want, rtol=1e-4, atol=1e-4)
     d.release(len(PROMPT) - 1)
     assert [t.cache_len(i) for i in range(6)] == [4, 4, 3, 3, 3, 3]
+    # a set with a gap in its tail: layers 0, then 2, 3, 5 on the draft path
+    t = _target(tmp_path, model, 0, 0, (0, 2, 3, 5))
+    d = SkipDraft(t, None)
+    _prefill(t, PROMPT)
+    h, lg = d.step(PROMPT[-1])
+    _prefill(ref, PROMPT)
+    x = ref.run_list(ref.embed([PROMPT[-1]]), (0, 2, 3, 5))
+    torch.testing.assert_close(lg, ref.logits(x)[0], rtol=1e-4, atol=1e-4)
+    d.release(len(PROMPT) - 1)
+    assert [t.cache_len(i) for i in range(6)] == [4, 3, 3, 3, 3, 3]
 
 
 def test_a_block_without_drafts_samples_what_the_target_alone_does(tmp_path, model):
@@ -117,10 +156,16 @@ def test_a_block_without_drafts_samples_what_the_target_alone_does(tmp_path, mod
                                       prompt=PROMPT)
 
 
+@pytest.mark.parametrize("layer_set", [None, (0, 2, 4), (0, 1, 3)],
+                         ids=["last", "gap", "stops-early"])
 @pytest.mark.parametrize("cfg", SAMPLINGS, ids=["plain", "processors"])
-def test_sampled_pairs_follow_the_target_distribution(tmp_path, cfg):
+def test_sampled_pairs_follow_the_target_distribution(tmp_path, cfg, layer_set):
     V = 8
-    model = tiny_model(vocab=V, layers=4, seed=5)
-    t = _target(tmp_path, model, 2, 1)                       # layers 0 and 3 resident
+    if layer_set is None:
+        model = tiny_model(vocab=V, layers=4, seed=5)
+        t = _target(tmp_path, model, 2, 1)                   # layers 0 and 3 resident
+    else:                                                    # of 5: a gap / layer 4 streamed
+        model = tiny_model(vocab=V, layers=5, seed=5)
+        t = _target(tmp_path, model, 0, 0, layer_set)
     dec = CatsDecoder(t, SkipDraft(t, 6), 2)                  # draft vocabulary: 6 of 8
     assert_pairs_follow_the_target(dec, model, cfg, V)

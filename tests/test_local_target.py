@@ -122,9 +122,11 @@ def test_cost_model_on_the_real_shape():
 
 def test_the_planner_picks_the_skip_draft_by_predicted_rate():
     """At 50 % and 75 % the measured skip agreement (SKIP_MEASURED) beats the exit
-    head's at the same resident layers: the plan keeps the first R1 + last R2 layers;
-    at 100 % nothing is streamed and the skip draft is not offered."""
-    from edge_sdk.local_target.budget import SKIP_MEASURED, skip_agreement, skip_split
+    head's at the same resident layers: the plan keeps the first R1 + last R2 layers,
+    or the searched resident set where SKIP_SETS has one for R; at 100 % nothing is
+    streamed and the skip draft is not offered."""
+    from edge_sdk.local_target.budget import (SKIP_MEASURED, SKIP_SETS, skip_agreement,
+                                              skip_layers, skip_split)
 
     s = Sizes(93_603_840, 466_747_392, 466_747_392, 3072, 28, 1536, 151936, 28 * 1024)
     for frac, bw in ((0.5, 2e9), (0.5, 4e8), (0.75, 2e9)):
@@ -133,9 +135,19 @@ def test_the_planner_picks_the_skip_draft_by_predicted_rate():
         assert p.draft == "skip" and p.exit_layer == 0 and p.depth >= 1
         assert p.resident_layers == e.resident_layers and p.memory == e.memory
         assert p.rate > e.rate > p.ar_rate
-        R1 = p.resident_layers - p.tail_layers
-        assert R1 == skip_split(p.resident_layers, 28) and 1 <= R1 < p.resident_layers
+        if p.resident_layers in SKIP_SETS:     # the searched set, which beats the split
+            assert p.layer_set == SKIP_SETS[p.resident_layers][0] and p.tail_layers == 0
+            assert len(p.layer_set) == p.resident_layers
+            assert SKIP_SETS[p.resident_layers][2] > SKIP_MEASURED[p.resident_layers][2]
+        else:
+            R1 = p.resident_layers - p.tail_layers
+            assert R1 == skip_split(p.resident_layers, 28) and 1 <= R1 < p.resident_layers
+            assert p.layer_set == ()
+        ls = skip_layers(p.resident_layers, 28)
+        assert len(set(ls)) == p.resident_layers and 0 in ls and max(ls) < 28
     assert plan(s, s.weights, 2e9).draft == "exit"
     assert skip_split(12, 28) == SKIP_MEASURED[12][0]
+    assert skip_layers(4, 6) == (0, 3, 4, 5)              # another depth: the split
+    assert skip_agreement(12, 28) > skip_agreement(12, 27)          # the set's figure
     assert 0 < skip_agreement(12, 28) < skip_agreement(14, 28) < skip_agreement(21, 28) < 1
     assert plan(s, s.weights // 2, 2e9, drafts=()).depth == 0       # the target alone

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from edge_sdk.local_target.budget import draft_label
+
 __all__ = ["summary_md"]
 
 
@@ -21,8 +23,8 @@ def summary_md(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         m, p = r["metrics"], dict(r["local"]["plan"])
-        if p.get("draft") == "skip":              # first R1 + last R2 resident
-            p["exit_layer"] = f"skip {p['resident_layers'] - p['tail_layers']}+{p['tail_layers']}"
+        if p.get("draft") == "skip":              # first R1 + last R2, or a set
+            p["exit_layer"] = draft_label(p).replace("skip draft", "skip")
         if r["mode"] == "local-offload-ar":       # the target alone: no draft
             p.update(exit_layer="-", depth="-", width="-")
         lines.append(

@@ -62,14 +62,15 @@ SPLITS = {12: [(2, 10), (4, 8), (6, 6), (8, 4), (10, 2)],
 that the batched masks reproduce the full target: agreement ~1)."""
 
 
-def _prompts(tok, n: int) -> list[tuple[str, list[int]]]:
-    """The bench's first ``n`` prompts per workload, encoded as the bench encodes them."""
+def _prompts(tok, n: int, offset: int = 0) -> list[tuple[str, list[int]]]:
+    """The bench's prompts ``offset..offset+n-1`` per workload (0: its first ``n``, the
+    ones the bench runs), encoded as the bench encodes them."""
     from bench.cells import encode_requests
     from specrelay_data.workloads import load_workload
 
     out = []
     for w in ("humaneval", "mtbench"):
-        out += [(w, list(r.prompt_ids)) for r in encode_requests(tok, load_workload(w)[:n], w, 0)]
+        out += [(w, list(r.prompt_ids)) for r in encode_requests(tok, load_workload(w)[offset:offset + n], w, 0)]
     return out
 
 
@@ -158,6 +159,15 @@ def _sublayer_rows(t, x, r1: int, m: int, L: int, n: int, N: int, idx, pos, mask
     out["acc"] += [_leading(hb[r:r + D]) for r in range(0, len(hb), D)]
 
 
+def parse_layers(text: str) -> list[int]:
+    """``"0-2,17-24,26"`` -> the sorted layer ids. Raises ValueError for bad syntax."""
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return sorted(out)
+
+
 def _leading(hits: list[bool]) -> int:
     n = 0
     for h in hits:
@@ -175,6 +185,7 @@ def main(argv=None) -> dict:
     from edge_sdk.exit_head import ExitHead, fit_translator, restricted_vocab
     from edge_sdk.local_target.load import checkpoint_dir
     from edge_sdk.local_target.runner import OffloadedTarget
+    from edge_sdk.local_target.skip import layer_ranges
     from edge_sdk.local_target.storage import PROFILES, Storage
     from edge_sdk.models import load_tokenizer
 
@@ -182,6 +193,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--offset", type=int, default=0,
+                    help="first prompt index per workload (e.g. 4: select sets on prompts "
+                         "the bench's first 4 do not include)")
     ap.add_argument("--fit", type=int, default=10, help="calibration sequences per workload")
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
@@ -193,6 +207,10 @@ def main(argv=None) -> dict:
                     help="comma list of R1+R2 splits measured with the middle layers' "
                          "attention run (MLP skipped), e.g. 2+8,3+7")
     ap.add_argument("--no-exit", action="store_true", help="no exit heads (faster)")
+    ap.add_argument("--sets", default=None,
+                    help="semicolon list of resident layer sets measured as skip drafts "
+                         "(R1 = the first layer not in the set, the tail = the rest), "
+                         "e.g. '0-2,17-24,26;0-2,11,17-26'")
     ap.add_argument("--prefix-only", action="store_true",
                     help="acc@D with block rows attending in the tail layers to the true "
                          "prefix and themselves only (not to the block's earlier rows)")
@@ -209,6 +227,9 @@ def main(argv=None) -> dict:
               if a.only is None or str(R) in a.only.split(",")}
     exits = [] if a.no_exit else [E for E in sorted(splits) if E < L]
     subs = [tuple(map(int, x.split("+"))) for x in a.sublayer.split(",")] if a.sublayer else []
+    sets = [parse_layers(x) for x in a.sets.split(";")] if a.sets else []
+    if a.sets and a.only is None:
+        splits = {}                              # --sets alone: only the sets
 
     # tuned lens at each exit layer, fitted on held-out calibration text
     xs, ys, cal = {E: [] for E in exits}, [], {i: [] for i in range(L + 1)}
@@ -242,9 +263,10 @@ def main(argv=None) -> dict:
     names = ([f"exit@{E}" for E in exits] + [f"lens@{E}" for E in exits]
              + [f"skip {r1}+{r2}" for E in splits for r1, r2 in splits[E]]
              + [f"skip+T {r1}+{r2}" for r1, r2 in trans]
-             + [f"attn {r1}+{r2}" for r1, r2 in subs])
+             + [f"attn {r1}+{r2}" for r1, r2 in subs]
+             + [f"set {layer_ranges(ls)}" for ls in sets])
     hits = {k: {"a1": [], "own": [], "acc": []} for k in names}
-    for w, prompt in _prompts(tok, a.prompts):
+    for w, prompt in _prompts(tok, a.prompts, a.offset):
         cont = _greedy(t, prompt, n)
         seq = prompt + cont[:-1]
         N, p0 = len(seq), len(prompt) - 1
@@ -265,7 +287,12 @@ def main(argv=None) -> dict:
         variants = [(f"skip {r1}+{r2}", r1, r2, None) for E in splits for r1, r2 in splits[E]]
         variants += [(f"skip+T {r1}+{r2}", r1, r2, wb) for (r1, r2), wb in trans.items()]
         variants += [(f"attn {r1}+{r2}", r1, r2, "attn") for r1, r2 in subs]
+        for ls in sets:                          # (R1, the tail) of a resident set
+            r1 = min(i for i in range(L + 1) if i not in ls)
+            variants.append((f"set {layer_ranges(ls)}", r1, sorted(i for i in ls if i > r1),
+                             None))
         for k, r1, r2, wb in variants:
+            tail = r2 if isinstance(r2, list) else list(range(L - r2, L))
             if isinstance(wb, str):
                 _sublayer_rows(t, hs[r1][:, p0:], r1, L - r2, L, n, N, idx, pos, mask,
                                ref, hits[k], D)
@@ -277,16 +304,16 @@ def main(argv=None) -> dict:
             for j in range(n):
                 m1[j, : p0 + j] = True
                 m1[j, N + j] = True
-            out = t.run_layers(x, L - r2, L, torch.arange(p0, p0 + n)[None], m1[None, None])
+            out = t.run_list(x, tail, torch.arange(p0, p0 + n)[None], m1[None, None])
             t.crop(N)
             hits[k]["a1"] += (t.logits(out).argmax(-1) == ref).tolist()
             # own: the skip path's own cache over the whole sequence
             keep, t.cache = t.cache, DynamicCache(config=config)
-            out = t.run_layers(hin, L - r2, L)
+            out = t.run_list(hin, tail)
             t.cache = keep
             hits[k]["own"] += (t.logits(out[:, p0:]).argmax(-1) == ref).tolist()
             # acc@D: depth-D blocks at every start
-            out = t.run_layers(x[:, idx], L - r2, L, pos, mask)
+            out = t.run_list(x[:, idx], tail, pos, mask)
             t.crop(N)
             hb = (t.logits(out).argmax(-1) == ref[idx]).tolist()
             hits[k]["acc"] += [_leading(hb[r:r + D]) for r in range(0, len(hb), D)]
@@ -299,7 +326,8 @@ def main(argv=None) -> dict:
           f"own-KV agreement | accepted per depth-{D} block |")
     print("|---|---|---|---|---|")
     for k, r in rows.items():
-        R = int(k.split("@")[1]) if "@" in k else sum(map(int, k.split()[1].split("+")))
+        R = (int(k.split("@")[1]) if "@" in k else len(parse_layers(k.split()[1]))
+             if k.startswith("set") else sum(map(int, k.split()[1].split("+"))))
         print(f"| {k} | {R} | {r['a1']:.3f} | {r['own']:.3f} | {r[f'acc@{D}']:.2f} |")
     print(f"\n{rows[names[0]]['n']} positions; {time.perf_counter() - t0:.0f} s")
     if a.json:

@@ -30,7 +30,9 @@ reads the dense head's rows, so its plans keep the head dense).
 with ``a`` the exit head's top-1 agreement with the final layer at layer ``E``
 (:data:`AGREEMENT`, measured on held-out text with the tuned lens). The layer-skipping
 draft (:mod:`.skip`: the first ``R1`` and the last ``R2 = R - R1`` layers resident, the
-middle streamed and skipped by the draft; Draft & Verify, Zhang et al. 2023, §3.1)
+middle streamed and skipped by the draft; Draft & Verify, Zhang et al. 2023, §3.1; or,
+where :data:`SKIP_SETS` has one for ``R``, a resident set found by a search over layer
+sets, as Draft & Verify's Bayesian search over skipped layers, §3.2)
 costs ``t_draft = (R * W_layer + W_head_sub) / mem_bw`` per token and has the
 per-token agreement ``a`` of :func:`skip_agreement` (:data:`SKIP_MEASURED`: the chain
 agreement inside a block, lower than the first token's because the tail layers attend
@@ -55,8 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-__all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "agreement", "skip_agreement",
-           "skip_split", "plan", "parse_bytes", "MEM_BW", "MEM_BW_PACKED", "MAX_DEPTH",
+__all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "SKIP_SETS", "agreement",
+           "skip_agreement", "skip_split", "skip_layers", "draft_label", "plan", "parse_bytes", "MEM_BW", "MEM_BW_PACKED", "MAX_DEPTH",
            "WIDTH"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
@@ -69,6 +71,20 @@ of a depth-8 block) of the skip draft at its best split (by the block figure),
 Qwen2.5-Coder-1.5B bf16, teacher-forced on 4 HumanEval + 4 MT-Bench prompts x 32
 greedy tokens (``bench/probes/skip_agreement.py``, docs/figures/cats/skip). The early
 exit at the same R: 0.22 / 0.33 (R=12), 0.20 / 0.27 (14), 0.41 / 0.78 (21)."""
+
+SKIP_SETS: dict[int, tuple[tuple[int, ...], float, float]] = {
+    12: ((0, 1, 2, 17, 18, 19, 20, 21, 22, 23, 25, 26), 0.727, 1.90),
+    14: ((0, 1, 2, 3, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26), 0.746, 2.16),
+}
+"""Resident-layer count R (of 28) -> (resident layer set, first-token agreement, mean
+accepted drafts of a depth-8 block) of a searched resident set that beats the best
+contiguous split of :data:`SKIP_MEASURED`, Qwen2.5-Coder-1.5B bf16. Chosen among 10
+(R = 12) and 7 (R = 14) candidate sets by the block figure on HumanEval/MT-Bench
+prompts 4..7 (``python -m bench.probes.skip_agreement --no-exit --offset 4 --sets
+...``); the figures here are on the held-out first 4 (the ones the bench runs, where
+the splits measure 1.16 and 2.09), docs/figures/cats/skipset. The layers kept are the
+first 3-4 and most of 17..26: the last layer (27) and 24 are worth less to the draft
+than 17..23. Used for a target of 28 layers only."""
 
 MEM_BW = 14e9
 """Effective bandwidth (bytes/s) of a dense bf16 weight in a CPU pass (``F.linear``
@@ -146,11 +162,25 @@ class Plan:
     width: int = 1
     draft: str = "exit"
     tail_layers: int = 0
+    layer_set: tuple = ()
     """``draft``: ``exit`` (layers 0..E-1 + the exit head at ``exit_layer``) or ``skip``
-    (layers 0..R1-1 and the last ``tail_layers`` resident, ``exit_layer`` = 0)."""
+    (layers 0..R1-1 and the last ``tail_layers`` resident, ``exit_layer`` = 0; or the
+    resident decoder layers ``layer_set`` when it is not empty, ``tail_layers`` = 0)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def draft_label(p: "Plan | dict") -> str:
+    """``exit layer E``, ``skip draft R1+R2`` or ``skip draft 0-2,17-24,26`` (a resident
+    set) of a plan or its :meth:`Plan.to_dict`."""
+    d = p if isinstance(p, dict) else p.to_dict()
+    if d.get("draft", "exit") != "skip":
+        return f"exit layer {d['exit_layer']}"
+    if d.get("layer_set"):
+        from edge_sdk.local_target.skip import layer_ranges
+        return f"skip draft {layer_ranges(d['layer_set'])}"
+    return f"skip draft {d['resident_layers'] - d['tail_layers']}+{d['tail_layers']}"
 
 
 def agreement(E: int, L: int) -> float:
@@ -185,8 +215,11 @@ def _interp(points: dict, x: float) -> float:
 
 def skip_agreement(R: int, L: int) -> float:
     """The skip draft's per-token chain agreement with ``R`` of ``L`` layers resident
-    (its best split): :data:`SKIP_MEASURED` through :func:`_chain_a`, linear in
+    (:func:`skip_layers`): its searched set's block figure (:data:`SKIP_SETS`), else
+    the best split's (:data:`SKIP_MEASURED`) through :func:`_chain_a`, linear in
     ``28 R / L`` between the measured points, 0 at R = 0 and 1 at R = L."""
+    if L == 28 and R in SKIP_SETS:
+        return _chain_a(SKIP_SETS[R][2])
     pts = {0: 0.0, 28: 1.0} | {r: _chain_a(acc) for r, (_, _, acc) in SKIP_MEASURED.items()}
     return min(1.0, max(0.0, _interp(pts, 28.0 * R / L)))
 
@@ -197,6 +230,16 @@ def skip_split(R: int, L: int) -> int:
     x = 28.0 * R / L
     near = min(SKIP_MEASURED, key=lambda r: abs(r - x))
     return max(1, min(R - 1, round(SKIP_MEASURED[near][0] * L / 28)))
+
+
+def skip_layers(R: int, L: int) -> tuple[int, ...]:
+    """The resident decoder layers of the skip draft with ``R`` of ``L`` resident: the
+    searched set of :data:`SKIP_SETS` (L = 28), else the first :func:`skip_split` and
+    the last ``R - R1``."""
+    if L == 28 and R in SKIP_SETS:
+        return tuple(SKIP_SETS[R][0])
+    r1 = skip_split(R, L)
+    return tuple(range(r1)) + tuple(range(L - (R - r1), L))
 
 
 def _memory(s: Sizes, R: int, embed: bool, max_ctx: int) -> int:
@@ -275,8 +318,10 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     if best is None or best[0][0] <= 1.0 / t_ar:   # no draft pays: the target alone
         best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0, "exit")
     (rate, t_full, t_draft, a), E, k, draft = best
-    tail = R - skip_split(R, s.layers) if draft == "skip" else 0
+    searched = draft == "skip" and s.layers == 28 and R in SKIP_SETS
+    tail = R - skip_split(R, s.layers) if draft == "skip" and not searched else 0
+    layer_set = skip_layers(R, s.layers) if searched else ()
     width = WIDTH if k and t_draft < 0.1 * t_full else 1
     return Plan(budget, R, embed, E, k, _memory(s, R, embed, max_ctx), t_full, t_draft,
                 a, rate, 1.0 / t_full if t_full else math.inf,
-                t_draft / t_full if t_full else 0.0, width, draft, tail)
+                t_draft / t_full if t_full else 0.0, width, draft, tail, layer_set)

@@ -8,8 +8,8 @@ The cascade, from cheapest to dearest, for one block of a round:
 
 1. **Resident draft** (no storage reads), one of two (:mod:`.budget` picks by
    predicted rate): the early exit (layers ``0..E-1`` + the tuned exit head at ``E``,
-   :class:`ExitDraft`) or the layer-skipping draft (layers ``0..R1-1`` and the last
-   ``R2`` + the model's own head, :class:`~.skip.SkipDraft`, whose tail-layer entries
+   :class:`ExitDraft`) or the layer-skipping draft (layers ``0..R1-1`` and a resident
+   tail of ``R2`` more + the model's own head, :class:`~.skip.SkipDraft`, whose tail-layer entries
    are draft-only and cropped before step 3). It proposes ``d_1..d_k``; its keys/values
    of layers ``0..S-1`` (``S`` = the split: ``E`` or ``R1``) are the target's own and
    are kept.

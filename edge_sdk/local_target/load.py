@@ -106,7 +106,7 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     ids = restricted_vocab(SimpleNamespace(config=config, generation_config=gen), DRAFT_VOCAB)
     t = OffloadedTarget(store, config, p.resident_layers, DTYPES[dtype], p.resident_embed,
                         p.tail_layers, packed=packed, pack_head=pack_head,
-                        draft_ids=ids)
+                        draft_ids=ids, layer_set=p.layer_set or None)
     if gen is not None:
         t.model.generation_config = gen
     return LocalTarget(t, p, load_tokenizer(name))

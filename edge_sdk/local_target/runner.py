@@ -1,6 +1,7 @@
 """A memory-budgeted local target: ``R`` decoder layers (and the final norm and LM head)
-resident -- the first ``R``, or the first ``R1`` and the last ``R2`` (``R1 + R2 = R``,
-for the layer-skipping draft of :mod:`.skip`) -- the other layers streamed from storage
+resident -- the first ``R``, the first ``R1`` and the last ``R2`` (``R1 + R2 = R``), or
+any set of ``R`` layers (for the layer-skipping draft of :mod:`.skip`; ``R1`` is then
+the first layer not in the set) -- the other layers streamed from storage
 into ONE reusable set of layer buffers per forward pass (CATS, "parameter offloading patterns": the layers
 that do not fit the budget are loaded per pass; the peak footprint stays at resident
 weights + one streamed layer + KV cache, never the whole target).
@@ -34,6 +35,8 @@ dense.
 
 from __future__ import annotations
 
+from typing import Container, Sequence
+
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -57,7 +60,8 @@ def _trim() -> None:
 
 class OffloadedTarget:
     """The target with decoder layers ``0..R1-1`` and ``L-R2..L-1`` resident
-    (``R1 = R - R2``; by default ``R2 = 0``: the first R) and ``R1..L-R2-1`` streamed.
+    (``R1 = R - R2``; by default ``R2 = 0``: the first R) and ``R1..L-R2-1`` streamed,
+    or with the decoder layers of ``layer_set`` resident and the others streamed.
 
     Args:
         storage: the checkpoint (keys ``model.layers.{i}.*``, ``model.norm.weight``,
@@ -66,6 +70,9 @@ class OffloadedTarget:
         dtype: compute dtype (the file's tensors are cast). resident_embed: keep the
             embedding table in memory (else rows are read from storage per token).
         tail_layers: R2 in 0..R, the resident layers taken from the end.
+        layer_set: the resident decoder layers (distinct ids in 0..L-1; R = its size,
+            ``tail_layers`` must then be 0). ``R1`` = the first layer not in the set,
+            :attr:`tail` = the set's layers above it.
         packed: prepack the resident linears for oneDNN (bf16 and a oneDNN build only;
             else ignored). pack_head: with ``packed``, the LM head too (a
             :class:`~.head.PackedHead`; ``model.lm_head`` then has no ``.weight``).
@@ -73,25 +80,40 @@ class OffloadedTarget:
             its own chunks (:meth:`~.head.PackedHead.draft`; None: no split).
     Attributes:
         packed: True when the resident linears are packed.
+        R1: the first streamed layer (L when nothing is streamed): layers ``0..R1-1``
+            are resident and see the target's own inputs on every path.
+        tail: sorted tuple, the resident layers above ``R1`` (``R2`` of them).
     Raises:
-        ValueError: R outside 0..L or R2 outside 0..R. KeyError: a tensor missing
-        from the file.
+        ValueError: R outside 0..L, R2 outside 0..R, or a bad ``layer_set``.
+        KeyError: a tensor missing from the file.
     """
 
     def __init__(self, storage: Storage, config, resident_layers: int,
                  dtype: torch.dtype = torch.float32, resident_embed: bool = False,
                  tail_layers: int = 0, packed: bool = False, pack_head: bool = True,
-                 draft_ids: torch.Tensor | None = None):
+                 draft_ids: torch.Tensor | None = None,
+                 layer_set: Sequence[int] | None = None):
         L = int(config.num_hidden_layers)
+        if layer_set is not None:
+            ids = [int(i) for i in layer_set]
+            if len(set(ids)) != len(ids) or any(not 0 <= i < L for i in ids) or tail_layers:
+                raise ValueError(f"layer_set={list(layer_set)}: distinct layer ids in "
+                                 f"0..{L - 1} expected (and tail_layers=0)")
+            resident_layers = len(ids)
         if not 0 <= resident_layers <= L:
             raise ValueError(f"resident_layers={resident_layers} outside 0..{L}")
         if not 0 <= tail_layers <= resident_layers:
             raise ValueError(f"tail_layers={tail_layers} outside 0..{resident_layers}")
         self.storage, self.config, self.dtype = storage, config, dtype
         self.num_layers, self.R = L, int(resident_layers)
-        self.R2 = 0 if self.R == L else int(tail_layers)
-        self.R1 = self.R - self.R2
-        self.resident = frozenset(range(self.R1)) | frozenset(range(L - self.R2, L))
+        if layer_set is not None:
+            self.resident = frozenset(ids)
+        else:
+            r2 = 0 if self.R == L else int(tail_layers)
+            self.resident = frozenset(range(self.R - r2)) | frozenset(range(L - r2, L))
+        self.R1 = min((i for i in range(L) if i not in self.resident), default=L)
+        self.tail = tuple(sorted(i for i in self.resident if i >= self.R1))
+        self.R2 = len(self.tail)
         self.resident_embed = resident_embed or "lm_head.weight" not in storage.entries
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -200,15 +222,28 @@ class OffloadedTarget:
 
         Returns the residual stream after layer ``b-1`` [1, q, H]; each layer's cache
         grows by q. Raises AssertionError when the segment's caches disagree."""
-        P, q = self.cache_len(a), h.shape[1]
-        if any(self.cache_len(i) != P for i in range(a, b)):
-            raise AssertionError(f"layers {a}..{b - 1} hold different cache lengths")
+        return self.run_list(h, range(a, b), pos, mask)
+
+    @torch.inference_mode()
+    def run_list(self, h: torch.Tensor, layers: Sequence[int],
+                 pos: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`run_layers` over the decoder layers ``layers`` in that order (e.g. the
+        skip draft's resident tail, which need not be contiguous). Returns [1, q, H]
+        (``h`` unchanged for no layers). Raises AssertionError when their caches hold
+        different lengths."""
+        layers = list(layers)
+        if not layers:
+            return h
+        P, q = self.cache_len(layers[0]), h.shape[1]
+        if any(self.cache_len(i) != P for i in layers):
+            raise AssertionError(f"layers {layers} hold different cache lengths")
         if pos is None:
             pos = torch.arange(P, P + q).unsqueeze(0)
         pe = self.model.model.rotary_emb(h, pos)
         if mask is None and q > 1:
             mask = torch.ones(q, P + q, dtype=torch.bool).tril(P)[None, None]
-        for i in range(a, b):
+        for i in layers:
             h = self.layer(i)(h, attention_mask=mask, position_ids=pos, cache=self.cache,
                               use_cache=True, position_embeddings=pe)
         return h
@@ -224,7 +259,7 @@ class OffloadedTarget:
         h = self.run_layers(self.embed(ids), 0, self.num_layers)
         return self.logits(h)
 
-    def crop(self, n: int, layers: range | None = None) -> None:
+    def crop(self, n: int, layers: Container[int] | None = None) -> None:
         """Keep the first ``n`` cached tokens of every layer (longer layers only), or of
         the layers in ``layers``."""
         for i, lay in enumerate(self.cache.layers):

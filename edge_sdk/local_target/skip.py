@@ -1,16 +1,17 @@
-"""The layer-skipping self-speculative draft of CATS: the first ``R1`` and the last
-``R2`` decoder layers are resident (``R1 + R2 = R``), the middle ``R1..L-R2-1`` are
-streamed; a draft token runs the resident layers only, in order, then the model's own
-final norm + LM head (Draft & Verify, Zhang et al. 2023, §3.1: the draft is the target
+"""The layer-skipping self-speculative draft of CATS: the first ``R1`` decoder layers
+and a *tail* of ``R2`` more are resident (``R1 + R2 = R``; the last ``R2``, or any
+set above ``R1`` -- :data:`.budget.SKIP_SETS`, found by a search on held-out text), the
+others streamed; a draft token runs the resident layers only, in order, then the
+model's own final norm + LM head (Draft & Verify, Zhang et al. 2023, §3.1: the draft is the target
 with intermediate layers skipped; LayerSkip, Elhoushi et al. 2024, §4; SWIFT, Xia et
 al. 2024). No exit head to fit: the last layers already map into the head's space, so
 the draft agrees with the target far more often than an early exit from the same
 resident bytes (``bench/probes/skip_agreement.py``; :data:`.budget.SKIP_AGREEMENT`).
 
 Caches (CASES.md 7, 11). Layers ``0..R1-1`` see the target's own inputs, so the keys
-and values the draft writes there are the target's and are kept. The last ``R2``
-layers see a different input on the draft path (the residual stream at ``R1`` instead
-of at ``L-R2``): the draft's entries there are draft-only. The draft attends to the
+and values the draft writes there are the target's and are kept. The tail layers see
+a different input on the draft path (a residual stream that skipped layers): the
+draft's entries there are draft-only. The draft attends to the
 TRUE entries of the confirmed prefix in those layers (the full pass wrote them) plus
 its own entries for the block, and :meth:`SkipDraft.release` crops those layers back
 to the prefix before the verification pass, which runs layers ``R1..L-1`` on the stored
@@ -27,7 +28,26 @@ from edge_sdk.exit_head import _head_rows, full_vocab, restricted_vocab
 from edge_sdk.local_target.head import PackedHead
 from edge_sdk.local_target.runner import OffloadedTarget
 
-__all__ = ["SkipDraft"]
+__all__ = ["SkipDraft", "layer_ranges"]
+
+
+def layer_ranges(layers) -> str:
+    """Sorted layer ids as compact ranges: ``(0, 1, 2, 17, 18, 26)`` -> ``"0-2,17-18,26"``."""
+    out, run = [], []
+    for i in sorted(layers):
+        if run and i != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(i)
+    if run:
+        out.append(run)
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
+
+
+def _ranges(tail: tuple, L: int) -> str:
+    """The name's tail: ``R2`` when it is the last ``R2`` of ``L`` layers, else its
+    ranges."""
+    return str(len(tail)) if tail == tuple(range(L - len(tail), L)) else layer_ranges(tail)
 
 
 class SkipDraft:
@@ -35,7 +55,8 @@ class SkipDraft:
 
     Args:
         target: an :class:`OffloadedTarget` with ``R2 = target.R2 >= 1`` tail layers
-            resident and ``R1 = target.R1 >= 1`` leading ones.
+            resident (:attr:`OffloadedTarget.tail`) and ``R1 = target.R1 >= 1`` leading
+            ones.
         vocab: the draft's vocabulary: the first ``vocab`` ids plus the special ones
             (:func:`edge_sdk.exit_head.restricted_vocab`; None: all), so the draft's head
             costs a fraction of the full one (FR-Spec's frequency-ranked subset).
@@ -49,8 +70,7 @@ class SkipDraft:
         if target.R2 < 1 or target.R1 < 1 or target.R >= target.num_layers:
             raise ValueError(f"a skip draft needs R1, R2 >= 1 and a streamed middle "
                              f"(R1={target.R1}, R2={target.R2}, L={target.num_layers})")
-        self.t, self.split = target, target.R1
-        self.tail = range(target.num_layers - target.R2, target.num_layers)
+        self.t, self.split, self.tail = target, target.R1, target.tail
         self.vocab_ids = restricted_vocab(target.model, vocab)
         head = target.model.lm_head
         if isinstance(head, PackedHead):        # packed: its draft chunks, or the full head
@@ -61,7 +81,7 @@ class SkipDraft:
         else:
             rows = _head_rows(head.weight, self.vocab_ids)
             self._sub = lambda h: torch.cat([h @ r.T for r in rows], -1)
-        self.name = f"skip-{target.R1}+{target.R2}-v{vocab or 'full'}"
+        self.name = f"skip-{target.R1}+{_ranges(self.tail, target.num_layers)}-v{vocab or 'full'}"
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -74,11 +94,11 @@ class SkipDraft:
 
     def step(self, tok: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft token's pass over ``tok`` at the next position: layers
-        ``0..R1-1`` (target KV, kept) then the tail (draft-only KV). Returns the
-        residual stream at ``R1`` [1, 1, H] (the verification pass's input) and the
+        ``0..R1-1`` (target KV, kept) then the tail in order (draft-only KV). Returns
+        the residual stream at ``R1`` [1, 1, H] (the verification pass's input) and the
         draft logits float32 [V]."""
         h = self.t.run_layers(self.t.embed([tok]), 0, self.split)
-        g = self.t.run_layers(h, self.tail.start, self.tail.stop)
+        g = self.t.run_list(h, self.tail)
         return h, self.logits(g[0])[0]
 
     def release(self, n: int) -> None:
