@@ -169,3 +169,55 @@ def test_sampled_pairs_follow_the_target_distribution(tmp_path, cfg, layer_set):
         t = _target(tmp_path, model, 0, 0, layer_set)
     dec = CatsDecoder(t, SkipDraft(t, 6), 2)                  # draft vocabulary: 6 of 8
     assert_pairs_follow_the_target(dec, model, cfg, V)
+
+
+def test_siblings_go_where_the_chain_is_least_sure_to_reach():
+    """``reach_i * q_i(s)``: a sure first draft spends the siblings deeper; a token of
+    zero draft probability (outside the draft's vocabulary) is never one."""
+    from edge_sdk.local_target.siblings import tree_siblings
+
+    def lg(probs):
+        return torch.tensor(probs, dtype=torch.float32).log()
+    sure = [lg([0.97, 0.015, 0.01, 0.005, 0.0]), lg([0.4, 0.3, 0.25, 0.05, 0.0]),
+            lg([0.5, 0.25, 0.25, 0.0, 0.0])]
+    alts = tree_siblings(sure, [0, 0, 0], 3)
+    assert alts == [[], [1, 2], [1]]             # .97*.3, .97*.25, .97*.4*.25
+    unsure = [lg([0.4, 0.35, 0.25, 0.0, 0.0])] + sure[1:]
+    assert tree_siblings(unsure, [0, 0, 0], 2) == [[1, 2], [], []]
+    assert tree_siblings(sure, [0, 0, 0], 20) == [[1, 2, 3], [1, 2, 3], [1, 2]]
+
+
+def test_a_sibling_deeper_in_the_block_commits_the_targets_tokens(tmp_path, model):
+    """A policy that puts the target's token at the chain's first mismatch (an oracle):
+    every such round commits d_1..d_a, the sibling and its bonus token, the output is
+    the target's, and every layer's cache is what a fresh prefill computes."""
+    ref_ids = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False,
+                             eos_token_id=None)[0].tolist()
+    ids = list(PROMPT)
+
+    def oracle(lgs, drafts, m):
+        truth = ref_ids[len(ids):len(ids) + len(drafts)]
+        a = next((i for i, (d, r) in enumerate(zip(drafts, truth)) if d != r), None)
+        alts = [[] for _ in drafts]
+        if a is not None:
+            alts[a] = [truth[a]] + [x for x in range(m + 1) if x not in (truth[a], drafts[a])][:m - 1]
+        return alts
+
+    t = _target(tmp_path, model, 0, 0, (0, 2, 3, 5))
+    full = _target(tmp_path, model, 6, 0)
+    dec = CatsDecoder(t, SkipDraft(t, None), 4, width=3, siblings=oracle)
+    _prefill(t, ids)
+    deep = 0
+    while len(ids) < len(PROMPT) + 32:
+        new, g, a = dec.round(ids, 4, S.SamplingConfig(), 0)
+        deep += a > 0 and len(new) == a + 2
+        assert new == ref_ids[len(ids):len(ids) + len(new)]
+        ids += new
+        t.crop(len(ids) - 1)
+        _prefill(full, ids)
+        for i in range(6):
+            torch.testing.assert_close(t.cache.layers[i].keys, full.cache.layers[i].keys,
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(t.cache.layers[i].values,
+                                       full.cache.layers[i].values, rtol=1e-4, atol=1e-4)
+    assert deep > 0

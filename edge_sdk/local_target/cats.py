@@ -24,7 +24,8 @@ The cascade, from cheapest to dearest, for one block of a round:
    them (CASES.md 11). The acceptance rule is the shared one
    (:mod:`edge_sdk.protocol.sampling`): greedy output is the target's token for token,
    sampling is exact (Leviathan et al. 2023, Alg. 1; residual draws local). Greedy
-   blocks also carry siblings of ``d_1`` (:mod:`.siblings`).
+   blocks also carry siblings at the chain positions the draft is least sure of
+   (:mod:`.siblings`).
 
 After the verdict every layer's cache is cropped to the confirmed prefix minus its
 last token (CASES.md 7). Draws: ``rng.LOCAL_DRAFT`` for the draft and
@@ -43,7 +44,7 @@ import torch
 from edge_sdk.exit_head import ExitHead
 from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
-                                            resident_mask, sibling_ids)
+                                            resident_mask, tree_siblings)
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 
@@ -166,28 +167,34 @@ class CatsDecoder:
             (:class:`ExitDraft`, :class:`~.skip.SkipDraft`).
         depth: the most draft tokens per block (1..8). gate: the cascade's gate on the
             block's draft probability (0: off). width: 1 + the number of sibling
-            candidates of the block's first token (greedy, :mod:`.siblings`; 1: a chain).
+            candidates in the block, at the chain positions the draft is least sure
+            to reach past (greedy, :mod:`.siblings`; 1: a chain). siblings: the
+            policy ``(draft logits [g] of [V], drafts [g], m) -> alts [g]`` that places
+            the ``width - 1`` siblings (:func:`~.siblings.tree_siblings`; any choice
+            keeps the output exact).
     Raises:
         ValueError: the exit layer is not resident or depth is outside 1..8.
     """
 
     def __init__(self, target: OffloadedTarget, head, depth: int,
-                 gate: float = 0.0, width: int = 1):
+                 gate: float = 0.0, width: int = 1, siblings=tree_siblings):
         draft = ExitDraft(target, head) if isinstance(head, ExitHead) else head
         if not 1 <= depth <= 8:
             raise ValueError(f"depth {depth} outside 1..8")
         self.t, self.draft, self.depth, self.gate = target, draft, int(depth), float(gate)
         self.E, self.width, self.sibling_hits = draft.split, max(1, int(width)), 0
+        self.siblings = siblings
 
     def _draft(self, ids: list[int], k: int, cfg, seed: int):
         """Up to ``k`` draft tokens from the resident layers (stage 1-2). Returns
         ``(drafts, qs, residual streams at the split S of [ids[-1], d_1..d_{g-1}], the
-        draft logits after ids[-1] [V])``; draft-only cache entries are dropped."""
-        drafts, qs, hs, x, mass, first = [], [], [], ids[-1], 1.0, None
+        draft logits float32 [V] after ids[-1], d_1, .., d_{g-1})``; draft-only cache
+        entries are dropped."""
+        drafts, qs, hs, x, mass, lgs = [], [], [], ids[-1], 1.0, []
         for j in range(k):
             h, lg = self.draft.step(x)
             hs.append(h)
-            first = lg if first is None else first
+            lgs.append(lg)
             gen = rng.generator(seed, rng.LOCAL_DRAFT, len(ids) + j)
             tok, q = S.sample_next(lg, cfg, ids + drafts, gen)
             drafts.append(tok)
@@ -197,19 +204,19 @@ class CatsDecoder:
             if mass < self.gate:
                 break
         self.draft.release(len(ids) - 1)
-        return drafts, qs, hs, first
+        return drafts, qs, hs, lgs
 
     def round(self, ids: list[int], k: int, cfg, seed: int) -> tuple[list[int], int, int]:
         """One round: draft, one verification pass, the verdict; the caches end at the
         confirmed prefix minus its last token. Returns ``(new tokens, drafted,
         accepted)``."""
-        drafts, qs, hs, first = self._draft(ids, k, cfg, seed) if k else ([], [], [], None)
+        drafts, qs, hs, lgs = self._draft(ids, k, cfg, seed) if k else ([], [], [], [])
         last = drafts[-1] if drafts else ids[-1]
         hs.append(self.t.run_layers(self.t.embed([last]), 0, self.E))
         if (self.width > 1 and drafts and cfg.greedy and cfg.repetition_penalty == 1.0):
-            sibs = sibling_ids(first, drafts[0], self.width - 1)
-            if sibs:
-                return self._tree_round(ids, drafts, hs, sibs)
+            alts = self.siblings(lgs, drafts, self.width - 1)
+            if any(alts):
+                return self._tree_round(ids, drafts, hs, alts)
         h = self.t.run_layers(torch.cat(hs, 1), self.E, self.t.num_layers)
         logits = self.t.logits(h)                                      # [g+1, V]
         gen = rng.generator(seed, rng.LOCAL_VERIFY, len(ids))
@@ -217,20 +224,23 @@ class CatsDecoder:
         self.t.crop(len(ids) + a)
         return drafts[:a] + [nxt], len(drafts), a
 
-    def _tree_round(self, ids: list[int], drafts: list[int], hs: list, sibs: list[int]):
-        """The greedy round with siblings (:mod:`.siblings`): their resident pass, one
-        full pass over chain + siblings, the verdict, the cache cut to the accepted
-        branch. Returns ``(new tokens, drafted, accepted)``."""
-        P, k, m = len(ids) - 1, len(drafts), len(sibs)
-        pos, mask = resident_mask(P, k, m)
-        hs.append(self.t.run_layers(self.t.embed(sibs), 0, self.E, pos, mask))
-        pos, mask, tree = full_inputs(P, drafts, sibs)
+    def _tree_round(self, ids: list[int], drafts: list[int], hs: list,
+                    alts: list[list[int]]):
+        """The greedy round with siblings ``alts`` [k] per chain position
+        (:mod:`.siblings`): their resident pass, one full pass over chain + siblings,
+        the verdict, the cache cut to the accepted branch. Returns ``(new tokens,
+        drafted, accepted)``."""
+        P, k = len(ids) - 1, len(drafts)
+        pos, mask, tree = full_inputs(P, drafts, alts)
+        sibs = [tok for _, tok, _ in tree.sib_rows]
+        rpos, rmask = resident_mask(P, k, [i for i, _, _ in tree.sib_rows])
+        hs.append(self.t.run_layers(self.t.embed(sibs), 0, self.E, rpos, rmask))
         h = self.t.run_layers(torch.cat(hs, 1), self.E, self.t.num_layers, pos, mask)
         new, a, j = greedy_tree_verdict(self.t.logits(h), drafts, tree)
         if j is None:
             self.t.crop(P + 1 + a)
-        else:
-            self.t.keep(P + 1, [P + 1 + k + j])
+        else:                               # prefix, last, d_1..d_a, then the sibling
+            self.t.keep(P + 1 + a, [P + 1 + k + j])
             self.sibling_hits += 1
         return new, k, a
 

@@ -1,15 +1,23 @@
-"""Sibling candidates for the first position of a CATS block (greedy): a token tree of
-one chain ``d_1..d_k`` plus ``m`` alternatives ``s_1..s_m`` to ``d_1`` (the exit head's
-next-best tokens after the block's last confirmed token), verified by the SAME full
-pass (SpecInfer, Miao et al. 2024, §4: tree attention verifies many candidates in one
-pass). While streamed bytes dominate, the pass costs the same for k+1 or k+1+m rows,
-and the siblings' resident layers cost one more memory-bound resident pass; when
-``d_1`` is wrong but the target's token is a sibling, the round commits the sibling
-and its bonus token instead of the correction alone.
+"""Sibling candidates of a CATS block (greedy): a token tree of one chain ``d_1..d_k``
+plus alternatives ``s_{i,*}`` to ``d_{i+1}`` at any chain position ``i`` (the draft's
+next-best tokens after ``d_1..d_i``), verified by the SAME full pass (SpecInfer, Miao et
+al. 2024, §4: tree attention verifies many candidates in one pass). While streamed
+bytes dominate, the pass costs about the same for k+1 or k+1+m rows, and the siblings'
+resident layers cost one more memory-bound resident pass; when ``d_{a+1}`` is wrong but
+the target's token is a sibling at position ``a``, the round commits ``d_1..d_a``, the
+sibling and its bonus token instead of the correction alone.
+
+Which positions get the ``m`` siblings (:func:`tree_siblings`): the ``m`` pairs
+``(i, s)`` of largest estimated hit probability ``reach_i * q_i(s)``, with ``reach_i =
+prod_{j<=i} q_j(d_j)`` the draft's own probability that the chain gets to position
+``i`` (EAGLE-2, Li et al. 2024, §4: the draft's confidence approximates the acceptance
+rate, and the tree grows by the path's product of confidences; Sequoia, Chen et al.
+2024, §3). A sure first draft spends its siblings deeper in the block.
 
 Cache layout of every layer after the passes (P = confirmed length - 1):
-``[prefix 0..P-1][last P][d_1..d_k P+1..P+k][s_1..s_m P+k+1..]``; each sibling has
-position id P+1 and attends to the prefix, ``last`` and itself only.
+``[prefix 0..P-1][last P][d_1..d_k P+1..P+k][siblings P+k+1..]`` (siblings in the
+order of :func:`edge_sdk.protocol.tree.layout`); a sibling at position ``i`` has
+position id P+1+i and attends to the prefix, ``last``, ``d_1..d_i`` and itself.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import torch
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol import tree as TR
 
-__all__ = ["sibling_ids", "resident_mask", "full_inputs", "greedy_tree_verdict"]
+__all__ = ["sibling_ids", "tree_siblings", "resident_mask", "full_inputs",
+           "greedy_tree_verdict"]
 
 
 def sibling_ids(exit_logits: torch.Tensor, first: int | None, m: int) -> list[int]:
@@ -30,23 +39,52 @@ def sibling_ids(exit_logits: torch.Tensor, first: int | None, m: int) -> list[in
     return [t for t in top if t != first and bool(fin[t])][:m]
 
 
-def resident_mask(P: int, k: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_siblings(logits: list[torch.Tensor], drafts: list[int], m: int
+                  ) -> list[list[int]]:
+    """The ``m`` siblings of a chain by estimated hit probability (module docstring).
+
+    Args: logits: the draft's float32 [V] after ``last, d_1..d_{i}`` for i = 0..g-1
+        (``-inf`` outside its vocabulary); drafts: ``d_1..d_g``; m: siblings in all.
+    Returns: ``alts`` [g] lists (position i: alternatives to ``d_{i+1}``, best first);
+    a token of zero draft probability is never chosen."""
+    g = len(drafts)
+    cand: list[tuple[float, int, int, int]] = []        # (-score, i, rank, token)
+    reach = 1.0
+    for i in range(min(g, len(logits))):
+        q = torch.softmax(logits[i].float(), -1)
+        top = torch.topk(q, min(m + 1, q.numel()))
+        rank = 0
+        for p, tok in zip(top.values.tolist(), top.indices.tolist()):
+            if tok != drafts[i] and p > 0.0:
+                cand.append((-reach * p, i, rank, int(tok)))
+                rank += 1
+        reach *= float(q[drafts[i]])
+    alts: list[list[int]] = [[] for _ in range(g)]
+    for _, i, _, tok in sorted(sorted(cand)[:m], key=lambda c: (c[1], c[2])):
+        alts[i].append(tok)                      # per position in the draft's own order
+    return alts
+
+
+def resident_mask(P: int, k: int, at: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions long [1, m] and mask bool [1, 1, m, P+1+k+m] of the siblings' pass
-    through the resident layers (whose caches hold prefix, last and the chain)."""
+    through the resident layers (whose caches hold prefix, last and the chain), for
+    siblings at chain positions ``at`` [m] (0: alternatives to ``d_1``)."""
+    m = len(at)
     mask = torch.zeros(m, P + 1 + k + m, dtype=torch.bool)
-    mask[:, : P + 1] = True
+    for r, i in enumerate(at):
+        mask[r, : P + 1 + i] = True                     # prefix, last, d_1..d_i
     mask[:, P + 1 + k:] = torch.eye(m, dtype=torch.bool)
-    return torch.full((1, m), P + 1, dtype=torch.long), mask[None, None]
+    pos = torch.tensor([[P + 1 + i for i in at]], dtype=torch.long)
+    return pos, mask[None, None]
 
 
-def full_inputs(P: int, drafts: list[int], sibs: list[int]
+def full_inputs(P: int, drafts: list[int], alts: list[list[int]]
                 ) -> tuple[torch.Tensor, torch.Tensor, TR.TreeLayout]:
-    """Positions long [1, k+1+m], mask bool [1, 1, k+1+m, P+k+1+m] and the tree layout
-    of the full pass over ``[last, d_1..d_k, s_1..s_m]`` (the layers' caches hold the
-    prefix): the shared sibling tree (:mod:`edge_sdk.protocol.tree`) with the siblings
-    at the first draft position."""
-    k = len(drafts)
-    tree = TR.layout(k, [list(sibs)] + [[] for _ in range(k - 1)])
+    """Positions long [1, T], mask bool [1, 1, T, P+T] and the tree layout of the full
+    pass over ``[last, d_1..d_k, siblings]`` (T = k+1+m; the layers' caches hold the
+    prefix): the shared sibling tree (:mod:`edge_sdk.protocol.tree`) with ``alts`` [k]
+    per chain position."""
+    tree = TR.layout(len(drafts), alts)
     mask = torch.ones(tree.rows, P + tree.rows, dtype=torch.bool)
     mask[:, P:] = tree.attn
     return (P + tree.offsets)[None], mask[None, None], tree
