@@ -45,10 +45,11 @@ pass) the plan says ``depth = 0`` and CATS decodes with the target alone. The ca
 falls below ``t_draft / t_full``: the expected value of one more drafted token (its
 acceptance probability times the pass it saves) no longer covers its cost.
 
-Width (greedy): ``WIDTH - 1`` sibling candidates of the block's first token ride in the
-same full pass (:mod:`.siblings`) whenever the plan drafts and their one extra resident
-pass costs under 10 % of ``t_full`` (streamed bytes dominate, so the wider pass is free);
-each hit adds one token to the round. No measured top-w coverage enters the model: the
+Width (greedy): ``WIDTH - 1`` sibling candidates ride in the same full pass
+(:mod:`.siblings`: at the chain positions of largest estimated hit probability, the
+draft's path confidence) whenever the plan drafts and their one extra resident pass
+costs under 10 % of ``t_full`` (streamed bytes dominate, so the wider pass is nearly
+free); each hit adds one token to the round. No measured top-w coverage enters the model: the
 bench reports the sibling hit rate.
 """
 
