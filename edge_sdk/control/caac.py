@@ -25,7 +25,12 @@ before it, position 1 the pooled per-token ``alpha``) and the round model of
 :mod:`edge_sdk.control.analytic`, the depths whose predicted rate
 ``E[C_L] / (L tau_f + T_resp(L))`` (``E[C_L] = 1 + sum_j prod_{k<=j} h_k``) is within
 ``model_tol`` of the best form a band (``T_resp(L)`` plus the edge's own per-round
-overhead: request building, signing, commit — ``round_s - resp_s - L tau``, EWMA).
+overhead: request building, signing, commit — ``round_s - resp_s - L tau``, EWMA;
+a request's first round, whose span holds the session create and both prefills, reports
+no ``round_s``, and a sample longer than the round's own ``resp_s + L tau`` is a one-off
+stall (a retry, a re-created session) and is skipped: either would price seconds of
+one-off wait into every later round and pin the band at ``L_max`` for the next ~10
+rounds — under a 3x draft slowdown depth 8 at acceptance ~0.3).
 Per-position rates matter because real acceptance is not
 i.i.d. (measured on SmolLM2 with the trained draft at depth 8, MT-Bench / HumanEval: h_1
 0.61, h_2 0.77 / 0.48, h_3 0.53 / 0.42, deeper positions 0.5-1.0 on few trials), and a
@@ -223,8 +228,10 @@ class CAAC(DepthController):
                 self.tau_s += p.w_slow * (tau - self.tau_s)
         if (rnd.round_s is not None and rnd.resp_s is not None
                 and rnd.draft_s_per_token is not None):
-            over = max(0.0, rnd.round_s - rnd.resp_s - rnd.depth * rnd.draft_s_per_token)
-            self.t_edge += p.w_resp * (over - self.t_edge)
+            work = rnd.resp_s + rnd.depth * rnd.draft_s_per_token
+            over = max(0.0, rnd.round_s - work)
+            if over <= work:        # longer than the round's own work: a one-off stall
+                self.t_edge += p.w_resp * (over - self.t_edge)
         if rnd.resp_s is not None and rnd.resp_s >= 0:
             r = float(rnd.resp_s)
             self.t_resp = r if self.t_resp is None else self.t_resp + p.w_resp * (r - self.t_resp)
