@@ -297,6 +297,28 @@ def test_caac_esr_dead_band_ignores_timing_noise():
     assert ctrl.eta < 1.0
 
 
+def test_caac_one_off_stall_is_not_priced_into_every_round():
+    """A round whose span holds a one-off wait (seconds: a request's session create and
+    prefills, a retry; a round takes ~0.5 s) is no per-round overhead. Before, the
+    edge-overhead EWMA took 30 % of it and the model band sat at L_max for the next ~5-10
+    rounds (measured under a 3x draft slowdown: depth 8 at 0-2 accepted, at the start of
+    every request). The stalled round changes nothing a normal one would not, and a
+    request's first round, which reports no ``round_s``, neither."""
+    import copy
+
+    base = CAAC()
+    drive(base, 30, alpha=0.8, tau=0.09, resp=0.2, seed=0)      # the slowed edge
+    rec = dict(depth=4, accepted=2, committed=3, draft_s_per_token=0.09, resp_s=0.2)
+    plain, stalled, first = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    plain.update(RoundRecord(**rec, round_s=0.2 + 4 * 0.09 + 0.005))
+    stalled.update(RoundRecord(**rec, round_s=3.0))
+    first.update(RoundRecord(**rec, round_s=None))
+    assert stalled.t_edge == first.t_edge == base.t_edge < 0.05
+    assert stalled.model_band() == first.model_band() == plain.model_band()
+    assert stalled.model_band()[1] < 8
+    assert stalled.next_depth() == plain.next_depth() < 8
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_caac_learns_a_non_monotone_response_time(seed):
     """A CPU target's pass time is not monotone in the block length (measured: depth 3
