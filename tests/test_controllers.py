@@ -319,6 +319,23 @@ def test_caac_one_off_stall_is_not_priced_into_every_round():
     assert stalled.next_depth() == plain.next_depth() < 8
 
 
+def test_caac_response_model_follows_the_clouds_speed():
+    """The cloud answers depth-5 blocks in 0.33 s for 20 rounds, then (faster now) depth-3
+    blocks in 0.18 s: the model must not keep pricing depth 5 at the old speed (raw
+    per-depth means and a slope fitted on raw (L, resp) pairs did: 0.33 s vs 0.18 s, so
+    the band locked onto depths 2-3 at full acceptance where depth 5 was 20 % faster).
+    With the level following the speed, depth 5 is priced near depth 3 and the band at
+    full acceptance reaches past depth 3."""
+    ctrl = CAAC()
+    for i in range(40):
+        L, r = (5, 0.33) if i < 20 else (3, 0.18)
+        ctrl.update(RoundRecord(depth=L, accepted=L, committed=L + 1, bonus=True,
+                                draft_s_per_token=0.02, resp_s=r, round_s=r + L * 0.02))
+    assert ctrl.resp_model(3) == pytest.approx(0.18, abs=0.01)
+    assert ctrl.resp_model(5) - ctrl.resp_model(3) < 0.05        # before: 0.15
+    assert ctrl.model_band()[1] > 3
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_caac_learns_a_non_monotone_response_time(seed):
     """A CPU target's pass time is not monotone in the block length (measured: depth 3

@@ -77,13 +77,15 @@ class CAACParams:
     kp = 4, ki = 0.5, kd = 1: tokens of depth per unit of acceptance error (P), per
         round-unit of accumulated error (I), per unit of error change (D). Full
         acceptance (e = +0.4) adds 1.6 tokens at once and ~0.2 per round after.
-    w_resp = 0.3: EWMA of send->response seconds (``T_resp``), for the proactive cap.
+    w_resp = 0.3: EWMA of send->response seconds (``T_resp``), for the proactive cap;
+        also the weight of the response level of the round model (``resp_model``).
+    w_off = 0.1: weight of a depth's response offset from that level (slower than the
+        level, so the level, not the offsets, follows the cloud's speed over time).
     model_check = True, model_tol = 0.05 (keep depths within 5 % of the model's best
         rate), model_warmup = 3 rounds before the model is trusted, min_pos_trials = 2
-        (discounted trials a position needs for its own h_k, and a depth for its own
-        mean response time), w_alpha = 0.1
+        (discounted trials a position needs for its own h_k), w_alpha = 0.1
         (discount of the alpha estimate's success/trial counts per round: ~10-round
-        memory, ~40 trials at L~4; also the forgetting of the T_resp(L) fit).
+        memory, ~40 trials at L~4; also of the weights of the response offsets' line).
     """
 
     l_max: int = L_MAX
@@ -98,6 +100,7 @@ class CAACParams:
     ki: float = 0.5
     kd: float = 1.0
     w_resp: float = 0.3
+    w_off: float = 0.1
     model_check: bool = True
     model_tol: float = 0.05
     model_warmup: int = 3
@@ -128,13 +131,13 @@ class CAAC(DepthController):
         self.e_prev: float | None = None
         self.B_hat = float(min(max(p.l_init, 1.0), p.l_max))
         self.rounds = 0
-        # discounted alpha estimate and T_resp(L) regression
+        # discounted alpha estimate and the T_resp(L) model (level + per-depth offsets)
         self._succ = self._trials = 0.0
         self._pos_succ = [0.0] * (p.l_max + 1)      # index k: position k (1-based)
         self._pos_trials = [0.0] * (p.l_max + 1)
-        self._resp_sum = [0.0] * (p.l_max + 1)      # index L: responses at depth L
-        self._resp_w = [0.0] * (p.l_max + 1)
-        self._n = self._sl = self._st = self._sll = self._slt = 0.0
+        self._lvl: float | None = None              # response level (s), see resp_model
+        self._off = [0.0] * (p.l_max + 1)           # index L: offset of depth L (s)
+        self._off_w = [0.0] * (p.l_max + 1)         # discounted observations of depth L
         self.last: dict = {}
 
     # ------------------------------------------------------------------ physical path
@@ -173,21 +176,33 @@ class CAAC(DepthController):
         return out
 
     def resp_model(self, L: int) -> float:
-        """Predicted send->response seconds for a block of depth L: the discounted mean
-        of the responses observed at depth L when there are enough of them (a CPU
-        target's pass time is not monotone in the block length: measured on SmolLM2
-        fp32, 1 thread, a 4-token pass is faster than a 3-token one), else the EWMA plus
-        a non-negative slope fitted by discounted least squares on (L, resp_s)."""
-        w = self._resp_w[L] if 0 <= L < len(self._resp_w) else 0.0
-        if w >= self.p.min_pos_trials:
-            return self._resp_sum[L] / w
-        base = self.t_resp or 0.0
-        if self._n <= 0:
-            return base
-        ml, mt = self._sl / self._n, self._st / self._n
-        var = self._sll / self._n - ml * ml
-        slope = max(0.0, (self._slt / self._n - ml * mt) / var) if var > 0.25 else 0.0
-        return max(0.0, base + slope * (L - ml))
+        """Predicted send->response seconds for a block of depth L: the current level
+        plus depth L's learned offset (a CPU target's pass time is not monotone in the
+        block length: measured on SmolLM2 fp32, 1 thread, a 4-token pass is faster than
+        a 3-token one); a depth never observed gets the offset of a non-negative line
+        fitted (weighted) through the observed depths' offsets.
+
+        Level and offsets (``r = level + off[L]``, both moved by each response's
+        prediction error, the level at ``w_resp``, the observed depth's offset at the
+        slower ``w_off``) keep the cloud's speed drifting over time out of the depth
+        comparison. Raw per-depth means and a slope fitted on raw ``(L, resp_s)`` pairs
+        did not: a depth last used while the cloud was slower kept looking expensive,
+        so the band locked onto the depths used recently (measured: depths 2-3 at full
+        acceptance for 10+ rounds where fixed depth 5 was 20 % faster)."""
+        if self._lvl is None:
+            return self.t_resp or 0.0
+        if 0 <= L < len(self._off) and self._off_w[L] > 0:
+            return max(0.0, self._lvl + self._off[L])
+        seen = [(d, w, self._off[d]) for d, w in enumerate(self._off_w) if w > 0]
+        W = sum(w for _, w, _ in seen)
+        if W <= 0:
+            return max(0.0, self._lvl)
+        md = sum(w * d for d, w, _ in seen) / W
+        mo = sum(w * o for _, w, o in seen) / W
+        var = sum(w * (d - md) ** 2 for d, w, _ in seen) / W
+        cov = sum(w * (d - md) * (o - mo) for d, w, o in seen) / W
+        slope = max(0.0, cov / var) if var > 0.25 else 0.0
+        return max(0.0, self._lvl + mo + slope * (L - md))
 
     def model_band(self) -> tuple[int, int] | None:
         """Near-optimal depth interval of the round model, or None while not warmed up."""
@@ -235,16 +250,19 @@ class CAAC(DepthController):
         if rnd.resp_s is not None and rnd.resp_s >= 0:
             r = float(rnd.resp_s)
             self.t_resp = r if self.t_resp is None else self.t_resp + p.w_resp * (r - self.t_resp)
-            lam = 1.0 - p.w_alpha
-            L = float(rnd.depth)
-            self._n, self._sl, self._st = lam * self._n + 1, lam * self._sl + L, lam * self._st + r
-            for d in range(len(self._resp_w)):     # per-depth means, same discount
-                self._resp_sum[d] *= lam
-                self._resp_w[d] *= lam
-            if 0 <= rnd.depth < len(self._resp_w):
-                self._resp_sum[rnd.depth] += r
-                self._resp_w[rnd.depth] += 1.0
-            self._sll, self._slt = lam * self._sll + L * L, lam * self._slt + L * r
+            if 0 <= rnd.depth < len(self._off):
+                d = rnd.depth
+                if self._lvl is None:
+                    self._lvl = r
+                else:
+                    e = r - self.resp_model(d)
+                    if self._off_w[d] <= 0:     # first sighting: start from the fit
+                        self._off[d] = self.resp_model(d) - self._lvl
+                    self._lvl += p.w_resp * e
+                    self._off[d] += p.w_off * e
+                lam = 1.0 - p.w_alpha
+                self._off_w = [w * lam for w in self._off_w]
+                self._off_w[d] += 1.0
         if rnd.depth <= 0:
             return                              # plain target step: no acceptance signal
         self.rounds += 1
