@@ -50,20 +50,28 @@ def test_registry_builds_every_controller():
 # ----------------------------------------------------------------------------- CAAC
 
 def test_caac_slowdown_step_lowers_depth_within_5_rounds():
-    """A 2x per-token latency step (edge contention) after 30 steady rounds: the depth
-    falls below its pre-step level within 5 rounds (fixed acceptance pattern)."""
-    ctrl = CAAC()
-    depths = drive(ctrl, 30, full=True)            # steady: climbs to L_max
-    before = depths[-1]
-    after = []
-    for _ in range(5):
-        L = ctrl.next_depth()
-        ctrl.update(RoundRecord(depth=L, accepted=L, committed=L + 1, bonus=True,
-                                draft_s_per_token=0.02, resp_s=0.05, round_s=L * 0.02 + 0.05))
-        after.append(L)
-    assert before == 8
-    assert min(after) < before
-    assert ctrl.esr > 0 and ctrl.eta < 1
+    """A 2x per-token latency step (edge contention) after 30 steady rounds of full
+    acceptance: the gate closes at once. Without the model (RAPID's fusion
+    ``eta * B_hat``) the depth falls below its pre-step level within 5 rounds; with it
+    the depth stays at the model's optimum, which is still L_max (every block is fully
+    accepted: 9 / (8 * 0.02 + 0.05) = 42.9 tokens/s at depth 8, 8 / 0.19 = 42.1 at 7)."""
+    for model in (False, True):
+        ctrl = CAAC(model_check=model)
+        depths = drive(ctrl, 30, full=True)            # steady: climbs to L_max
+        before = depths[-1]
+        after = []
+        for _ in range(5):
+            L = ctrl.next_depth()
+            ctrl.update(RoundRecord(depth=L, accepted=L, committed=L + 1, bonus=True,
+                                    draft_s_per_token=0.02, resp_s=0.05,
+                                    round_s=L * 0.02 + 0.05))
+            after.append(L)
+        assert before == 8
+        assert ctrl.esr > 0 and ctrl.eta < 1
+        if model:
+            assert ctrl.model_best() == 8 and min(after) == 8
+        else:
+            assert min(after) < before
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -334,6 +342,30 @@ def test_caac_response_model_follows_the_clouds_speed():
     assert ctrl.resp_model(3) == pytest.approx(0.18, abs=0.01)
     assert ctrl.resp_model(5) - ctrl.resp_model(3) < 0.05        # before: 0.15
     assert ctrl.model_band()[1] > 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_caac_never_drafts_below_the_model_optimum(seed):
+    """Correlated acceptance (h_1 0.85, deeper positions 0.95, like the Qwen pair on
+    HumanEval) on a slow edge: the rates of depths 3..8 lie within a few %, so the band
+    is wide, and the gate (closed under the slowdown) and the PID (acceptance set point
+    0.6) pulled the depth to its shallow end (measured: depth 2-3 at full acceptance
+    for 10+ rounds where fixed depth 5 was ~15 % faster). The depth now stays at or
+    above the model's optimum."""
+    rng, ctrl = random.Random(seed), CAAC()
+    for r in range(60):
+        best = ctrl.model_best()
+        L = ctrl.next_depth()
+        if best is not None:
+            assert ctrl.model_band()[0] <= best <= L <= ctrl.model_band()[1]
+        tau = 0.022 * (3.0 if r >= 40 else 1.0)
+        a = 0
+        while a < L and rng.random() < (0.85 if a == 0 else 0.95):
+            a += 1
+        ctrl.update(RoundRecord(depth=L, accepted=a, committed=a + 1, bonus=a == L,
+                                draft_s_per_token=tau, resp_s=0.18 + 0.005 * L,
+                                round_s=L * tau + 0.185 + 0.005 * L))
+    assert ctrl.eta < 1 and ctrl.model_best() >= 4
 
 
 @pytest.mark.parametrize("seed", range(3))

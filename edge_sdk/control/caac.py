@@ -20,8 +20,8 @@ expected response (``T_resp``: EWMA of send->response seconds).
 
 **Model-based check**: with the per-position acceptance
 ``h_k = P(draft k accepted | drafts 1..k-1 accepted)`` estimated from the block outcomes
-(discounted counts; a position with too few trials inherits the estimate of the one
-before it, position 1 the pooled per-token ``alpha``) and the round model of
+(discounted counts, shrunk by ``pos_prior`` pseudo-trials toward the estimate of the
+position before it, position 1 toward the pooled per-token ``alpha``) and the round model of
 :mod:`edge_sdk.control.analytic`, the depths whose predicted rate
 ``E[C_L] / (L tau_f + T_resp(L))`` (``E[C_L] = 1 + sum_j prod_{k<=j} h_k``) is within
 ``model_tol`` of the best form a band (``T_resp(L)`` plus the edge's own per-round
@@ -35,15 +35,22 @@ Per-position rates matter because real acceptance is not
 i.i.d. (measured on SmolLM2 with the trained draft at depth 8, MT-Bench / HumanEval: h_1
 0.61, h_2 0.77 / 0.48, h_3 0.53 / 0.42, deeper positions 0.5-1.0 on few trials), and a
 pooled rate misprices exactly the depths the band is choosing between. The
-gated PID proposal is projected onto that band (``L = clip(eta * B_hat, band)``).
-It keeps CAAC's choice whenever the model calls it near-optimal and otherwise pulls it
-to the nearest near-optimal depth — the PID alone targets an acceptance level and
-ignores how expensive a round trip is. The model prices the *current* draft latency
-``tau_f``, so under a slowdown the band itself moves to the depths that are rate-optimal
-at the slower speed, and the gate only chooses within it (toward its shallow end while
-``ESR > 0``): a sustained slowdown cannot drive the depth below the near-optimal band
-for the ~20 rounds the baseline ``tau_s`` needs to catch up (RAPID's gate applied after
-a band priced at ``tau_s`` can: with ``eta ~0.2`` after a 3x step it cuts depth 8 to 2).
+gated PID proposal is projected onto the upper part of that band, from the model's
+rate-optimal depth ``L*`` to the band's deep end (``L = clip(eta * B_hat, L*, hi)``).
+It keeps CAAC's choice whenever the model calls it near-optimal and no shallower than
+the optimum, and otherwise pulls it there — the PID alone targets an acceptance level
+and ignores how expensive a round trip is. The model prices the *current* draft latency
+``tau_f``, so under a slowdown ``L*`` and the band themselves move to the depths that
+are rate-optimal at the slower speed, and the gate only chooses within them (down to
+``L*`` while ``ESR > 0``): a sustained slowdown cannot drive the depth below the
+optimum for the ~20-30 rounds the baseline ``tau_s`` needs to catch up (RAPID's gate
+applied after a band priced at ``tau_s`` can: with ``eta ~0.2`` after a 3x step it cuts
+depth 8 to 2). The band's shallow end is not used: with correlated acceptance (the
+Qwen2.5-Coder pair on HumanEval: most blocks fully accepted) the rates of depths 2..8
+lie within a few % in the model, so the band is wide, and its shallow end is where the
+estimates' errors cost most (a round trip of ~0.2 s paid for 3-4 tokens); gate and PID
+pulled the depth there, measured: depth 2-3 at full acceptance for 10+ rounds, CAAC
+0.81-0.84x of fixed depth 5 under the 3x slowdown.
 
 RAPID's constants are not public; the defaults below are our starting points.
 """
@@ -82,8 +89,11 @@ class CAACParams:
     w_off = 0.1: weight of a depth's response offset from that level (slower than the
         level, so the level, not the offsets, follows the cloud's speed over time).
     model_check = True, model_tol = 0.05 (keep depths within 5 % of the model's best
-        rate), model_warmup = 3 rounds before the model is trusted, min_pos_trials = 2
-        (discounted trials a position needs for its own h_k), w_alpha = 0.1
+        rate), model_warmup = 3 rounds before the model is trusted, pos_prior = 1
+        (pseudo-trials of a position's h_k at the estimate of the position before it:
+        a position no longer tried drifts back to its predecessor's rate as its
+        discounted trials fade, instead of keeping a stale low estimate that keeps the
+        depth below it — a hard trial threshold did, for tens of rounds), w_alpha = 0.1
         (discount of the alpha estimate's success/trial counts per round: ~10-round
         memory, ~40 trials at L~4; also of the weights of the response offsets' line).
     """
@@ -104,7 +114,7 @@ class CAACParams:
     model_check: bool = True
     model_tol: float = 0.05
     model_warmup: int = 3
-    min_pos_trials: float = 2.0
+    pos_prior: float = 1.0
     w_alpha: float = 0.1
 
 
@@ -167,11 +177,9 @@ class CAAC(DepthController):
         a = self.alpha
         if a is None:
             return None
-        out, prev = [], a
+        out, prev, m = [], a, self.p.pos_prior
         for k in range(1, self.l_max + 1):
-            n = self._pos_trials[k]
-            if n >= self.p.min_pos_trials:
-                prev = min(self._pos_succ[k] / n, 0.999)
+            prev = min((self._pos_succ[k] + m * prev) / (self._pos_trials[k] + m), 0.999)
             out.append(prev)
         return out
 
@@ -204,15 +212,30 @@ class CAAC(DepthController):
         slope = max(0.0, cov / var) if var > 0.25 else 0.0
         return max(0.0, self._lvl + mo + slope * (L - md))
 
-    def model_band(self) -> tuple[int, int] | None:
-        """Near-optimal depth interval of the round model, or None while not warmed up."""
+    def model_rates(self) -> list[float] | None:
+        """Predicted committed tokens per second of depths 1..L_max (the round model at
+        the current draft latency ``tau_f``), or None while not warmed up."""
         p = self.p
         if (not p.model_check or self.rounds < p.model_warmup or self.alpha is None
                 or not self.tau_s or self.t_resp is None):
             return None
-        return analytic.near_optimal_band(self.position_acceptance(), self.tau_f,
-                                          lambda L: self.resp_model(L) + self.t_edge,
-                                          self.l_max, p.model_tol)
+        h = self.position_acceptance()
+        return [analytic.round_rate(h, L, self.tau_f, self.resp_model(L) + self.t_edge)
+                for L in range(1, self.l_max + 1)]
+
+    def model_band(self) -> tuple[int, int] | None:
+        """Near-optimal depth interval of the round model, or None while not warmed up."""
+        rates = self.model_rates()
+        if rates is None:
+            return None
+        top = max(rates)
+        ok = [i + 1 for i, r in enumerate(rates) if r >= (1.0 - self.p.model_tol) * top]
+        return ok[0], ok[-1]
+
+    def model_best(self) -> int | None:
+        """The round model's rate-optimal depth (ties: the smaller), or None."""
+        rates = self.model_rates()
+        return None if rates is None else 1 + max(range(len(rates)), key=rates.__getitem__)
 
     # ------------------------------------------------------------------ policy
 
@@ -221,7 +244,9 @@ class CAAC(DepthController):
         B = self.eta * self.B_hat
         band = self.model_band()
         if band is not None:
-            B = min(max(B, band[0]), band[1])
+            # not below the model's optimum: the shallow end of a flat band is where a
+            # round trip is paid for the fewest tokens (see the module docstring)
+            B = min(max(B, self.model_best()), band[1])
         L = self.clamp(round(B))
         cap = None
         if stats.proactive and self.tau_f and (stats.delay_s or self.t_resp):
