@@ -14,7 +14,7 @@ Chooses the next draft depth before each round from two paths:
   ``B_hat`` (more acceptance -> deeper), with anti-windup keeping ``B_hat in [1, L_max]``.
 
 Fusion: ``L = clamp(round(eta * B_hat), 1, L_max)`` (before the model below is warm,
-and projected onto its near-optimal band after); when drafting proactively (IPDG),
+and projected onto the part of its near-optimal band from its optimum deeper after); when drafting proactively (IPDG),
 ``L <= max(1, floor(T_resp / tau_f))`` so the proactive draft does not outlast the
 expected response (``T_resp``: EWMA of send->response seconds).
 
