@@ -307,7 +307,8 @@ class Generation:
         """Verify ``block`` on ``tokens`` (or await the one sent ahead), apply the
         verdict, settle the proactive phase, and inform the controller."""
         t_sent = time.perf_counter() if ahead is None else ahead.t_sent
-        t_prev = self._t_verdict or self.m.t_start
+        cycle = self._t_verdict is not None   # False: the request's first round
+        t_prev = self._t_verdict if cycle else self.m.t_start
         resp, t_resp, pro, nxt_ahead = await self._exchange(tokens, block, ahead)
         self.m.net_seconds += t_resp - t_sent - resp.target_s
         out = rounds.apply_verdict(block, resp)
@@ -325,7 +326,7 @@ class Generation:
         else:
             self.sess.drop_ahead(nxt_ahead)
         self._t_verdict = time.perf_counter()
-        times = rounds.RoundTimes(t_prev, t_sent, t_resp, self._t_verdict)
+        times = rounds.RoundTimes(t_prev, t_sent, t_resp, self._t_verdict, cycle)
         self._record(out, len(new), planned, block, times, from_branch, wasted, pro)
         # a block sent ahead waited behind its predecessor: no network figure of its own
         self.channel.observe(None if ahead is not None else t_resp - t_sent - resp.target_s,

@@ -95,12 +95,15 @@ def count_correction(m: RequestMetrics, stage: str, eps: float) -> None:
 @dataclass(frozen=True)
 class RoundTimes:
     """perf_counter seconds of one round: previous verdict (or request start), block
-    sent, verdict received, round done."""
+    sent, verdict received, round done. ``cycle``: ``prev`` is a previous verdict; False
+    on a request's first round, whose span from the request start holds the session
+    create (the target's prefill) and the draft's prefill, not a round cycle."""
 
     prev: float
     sent: float
     response: float
     end: float
+    cycle: bool = True
 
 
 def round_record(out: Outcome, committed: int, planned: int, block: DraftBlock | None,
@@ -110,7 +113,8 @@ def round_record(out: Outcome, committed: int, planned: int, block: DraftBlock |
     return RoundRecord(depth=g, accepted=out.accepted, committed=committed,
                        bonus=out.all_accepted, planned_depth=planned,
                        draft_s_per_token=block.draft_s / g if g else None,
-                       resp_s=times.response - times.sent, round_s=times.end - times.prev,
+                       resp_s=times.response - times.sent,
+                       round_s=times.end - times.prev if times.cycle else None,
                        proactive=proactive, wasted=wasted)
 
 

@@ -50,20 +50,28 @@ def test_registry_builds_every_controller():
 # ----------------------------------------------------------------------------- CAAC
 
 def test_caac_slowdown_step_lowers_depth_within_5_rounds():
-    """A 2x per-token latency step (edge contention) after 30 steady rounds: the depth
-    falls below its pre-step level within 5 rounds (fixed acceptance pattern)."""
-    ctrl = CAAC()
-    depths = drive(ctrl, 30, full=True)            # steady: climbs to L_max
-    before = depths[-1]
-    after = []
-    for _ in range(5):
-        L = ctrl.next_depth()
-        ctrl.update(RoundRecord(depth=L, accepted=L, committed=L + 1, bonus=True,
-                                draft_s_per_token=0.02, resp_s=0.05, round_s=L * 0.02 + 0.05))
-        after.append(L)
-    assert before == 8
-    assert min(after) < before
-    assert ctrl.esr > 0 and ctrl.eta < 1
+    """A 2x per-token latency step (edge contention) after 30 steady rounds of full
+    acceptance: the gate closes at once. Without the model (RAPID's fusion
+    ``eta * B_hat``) the depth falls below its pre-step level within 5 rounds; with it
+    the depth stays at the model's optimum, which is still L_max (every block is fully
+    accepted: 9 / (8 * 0.02 + 0.05) = 42.9 tokens/s at depth 8, 8 / 0.19 = 42.1 at 7)."""
+    for model in (False, True):
+        ctrl = CAAC(model_check=model)
+        depths = drive(ctrl, 30, full=True)            # steady: climbs to L_max
+        before = depths[-1]
+        after = []
+        for _ in range(5):
+            L = ctrl.next_depth()
+            ctrl.update(RoundRecord(depth=L, accepted=L, committed=L + 1, bonus=True,
+                                    draft_s_per_token=0.02, resp_s=0.05,
+                                    round_s=L * 0.02 + 0.05))
+            after.append(L)
+        assert before == 8
+        assert ctrl.esr > 0 and ctrl.eta < 1
+        if model:
+            assert ctrl.model_best() == 8 and min(after) == 8
+        else:
+            assert min(after) < before
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -295,6 +303,69 @@ def test_caac_esr_dead_band_ignores_timing_noise():
     ctrl.update(RoundRecord(depth=4, accepted=2, committed=3, draft_s_per_token=0.02,
                             resp_s=0.1, round_s=0.18))
     assert ctrl.eta < 1.0
+
+
+def test_caac_one_off_stall_is_not_priced_into_every_round():
+    """A round whose span holds a one-off wait (seconds: a request's session create and
+    prefills, a retry; a round takes ~0.5 s) is no per-round overhead. Before, the
+    edge-overhead EWMA took 30 % of it and the model band sat at L_max for the next ~5-10
+    rounds (measured under a 3x draft slowdown: depth 8 at 0-2 accepted, at the start of
+    every request). The stalled round changes nothing a normal one would not, and a
+    request's first round, which reports no ``round_s``, neither."""
+    import copy
+
+    base = CAAC()
+    drive(base, 30, alpha=0.8, tau=0.09, resp=0.2, seed=0)      # the slowed edge
+    rec = dict(depth=4, accepted=2, committed=3, draft_s_per_token=0.09, resp_s=0.2)
+    plain, stalled, first = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    plain.update(RoundRecord(**rec, round_s=0.2 + 4 * 0.09 + 0.005))
+    stalled.update(RoundRecord(**rec, round_s=3.0))
+    first.update(RoundRecord(**rec, round_s=None))
+    assert stalled.t_edge == first.t_edge == base.t_edge < 0.05
+    assert stalled.model_band() == first.model_band() == plain.model_band()
+    assert stalled.model_band()[1] < 8
+    assert stalled.next_depth() == plain.next_depth() < 8
+
+
+def test_caac_response_model_follows_the_clouds_speed():
+    """The cloud answers depth-5 blocks in 0.33 s for 20 rounds, then (faster now) depth-3
+    blocks in 0.18 s: the model must not keep pricing depth 5 at the old speed (raw
+    per-depth means and a slope fitted on raw (L, resp) pairs did: 0.33 s vs 0.18 s, so
+    the band locked onto depths 2-3 at full acceptance where depth 5 was 20 % faster).
+    With the level following the speed, depth 5 is priced near depth 3 and the band at
+    full acceptance reaches past depth 3."""
+    ctrl = CAAC()
+    for i in range(40):
+        L, r = (5, 0.33) if i < 20 else (3, 0.18)
+        ctrl.update(RoundRecord(depth=L, accepted=L, committed=L + 1, bonus=True,
+                                draft_s_per_token=0.02, resp_s=r, round_s=r + L * 0.02))
+    assert ctrl.resp_model(3) == pytest.approx(0.18, abs=0.01)
+    assert ctrl.resp_model(5) - ctrl.resp_model(3) < 0.05        # before: 0.15
+    assert ctrl.model_band()[1] > 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_caac_never_drafts_below_the_model_optimum(seed):
+    """Correlated acceptance (h_1 0.85, deeper positions 0.95, like the Qwen pair on
+    HumanEval) on a slow edge: the rates of depths 3..8 lie within a few %, so the band
+    is wide, and the gate (closed under the slowdown) and the PID (acceptance set point
+    0.6) pulled the depth to its shallow end (measured: depth 2-3 at full acceptance
+    for 10+ rounds where fixed depth 5 was ~15 % faster). The depth now stays at or
+    above the model's optimum."""
+    rng, ctrl = random.Random(seed), CAAC()
+    for r in range(60):
+        best = ctrl.model_best()
+        L = ctrl.next_depth()
+        if best is not None:
+            assert ctrl.model_band()[0] <= best <= L <= ctrl.model_band()[1]
+        tau = 0.022 * (3.0 if r >= 40 else 1.0)
+        a = 0
+        while a < L and rng.random() < (0.85 if a == 0 else 0.95):
+            a += 1
+        ctrl.update(RoundRecord(depth=L, accepted=a, committed=a + 1, bonus=a == L,
+                                draft_s_per_token=tau, resp_s=0.18 + 0.005 * L,
+                                round_s=L * tau + 0.185 + 0.005 * L))
+    assert ctrl.eta < 1 and ctrl.model_best() >= 4
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -386,6 +386,52 @@ def test_on_round_hook_gets_one_record_per_round(svc, tok, close_draft):
     assert all(0 <= r["t_send"] <= r["t_response"] for r in trace)
 
 
+class Recording(FixedDepth):
+    """A fixed-depth controller that keeps the round records it is given."""
+
+    def __init__(self, depth: int = 4):
+        super().__init__(depth)
+        self.records = []
+
+    def update(self, rnd):
+        self.records.append(rnd)
+
+
+class SlowCreate(InProcessTransport):
+    """The session create is answered ``hold_s`` late (a target prefill)."""
+
+    def __init__(self, svc, hold_s: float):
+        super().__init__(svc)
+        self.hold_s = hold_s
+
+    async def request(self, method, path, body=b"", content_type=""):
+        out = await super().request(method, path, body)
+        if method == "POST" and path.rstrip("/").endswith("/sessions"):
+            await asyncio.sleep(self.hold_s)
+        return out
+
+
+def test_first_round_reports_no_round_cycle(svc, tok, close_draft):
+    """A request's first round has no previous verdict: its span from the request start
+    holds the session create (here held 0.3 s) and the draft's prefill, which are no
+    round cost, so its record carries ``round_s=None`` (a controller pricing it in, as
+    CAAC's edge overhead did, went to depth 8 at the start of every request); every
+    later round reports its cycle, each well under the create's hold."""
+    ctrl = Recording(4)
+
+    async def main():
+        async with EdgeClient("inproc://", TorchDrafter(close_draft), tok, chat=False,
+                              transport=SlowCreate(svc(), 0.3)) as c:
+            for _ in range(2):
+                await c.generate(prompt_ids=PROMPT, max_new_tokens=12, controller=ctrl)
+    asyncio.run(main())
+    recs = ctrl.records
+    firsts = [i for i, r in enumerate(recs) if r.round_s is None]
+    assert firsts[0] == 0 and len(firsts) == 2           # one per request
+    assert all(r.resp_s is not None for r in recs)
+    assert all(0 < r.round_s < 0.3 for r in recs if r.round_s is not None)
+
+
 class DraftedSignal(SlowDrafter):
     """A slow drafter that signals (a threading.Event) when it has drafted a block."""
 

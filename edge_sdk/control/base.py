@@ -50,7 +50,9 @@ class RoundRecord:
         trees) of this block, None when nothing was drafted.
     resp_s: seconds from sending the block to its verdict (network + cloud queue + target).
     round_s: seconds of the whole round cycle, from the previous verdict to this one
-        (drafting + waiting); the denominator of UCB-SpecStop's reward.
+        (drafting + waiting); the denominator of UCB-SpecStop's reward. None on a
+        request's first round (no previous verdict: its span from the request start
+        holds the session create and both prefills, seconds that are no round cost).
     proactive: the block was drafted proactively (IPDG/NPDG hit).
     wasted: draft tokens discarded in this round (rejected + dropped proactive branches).
     plan_delay_s: the ``PlanContext.delay_s`` the block was planned with (None: the

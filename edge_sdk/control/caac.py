@@ -14,31 +14,43 @@ Chooses the next draft depth before each round from two paths:
   ``B_hat`` (more acceptance -> deeper), with anti-windup keeping ``B_hat in [1, L_max]``.
 
 Fusion: ``L = clamp(round(eta * B_hat), 1, L_max)`` (before the model below is warm,
-and projected onto its near-optimal band after); when drafting proactively (IPDG),
+and projected onto the part of its near-optimal band from its optimum deeper after); when drafting proactively (IPDG),
 ``L <= max(1, floor(T_resp / tau_f))`` so the proactive draft does not outlast the
 expected response (``T_resp``: EWMA of send->response seconds).
 
 **Model-based check**: with the per-position acceptance
 ``h_k = P(draft k accepted | drafts 1..k-1 accepted)`` estimated from the block outcomes
-(discounted counts; a position with too few trials inherits the estimate of the one
-before it, position 1 the pooled per-token ``alpha``) and the round model of
+(discounted counts, shrunk by ``pos_prior`` pseudo-trials toward the estimate of the
+position before it, position 1 toward the pooled per-token ``alpha``) and the round model of
 :mod:`edge_sdk.control.analytic`, the depths whose predicted rate
 ``E[C_L] / (L tau_f + T_resp(L))`` (``E[C_L] = 1 + sum_j prod_{k<=j} h_k``) is within
 ``model_tol`` of the best form a band (``T_resp(L)`` plus the edge's own per-round
-overhead: request building, signing, commit — ``round_s - resp_s - L tau``, EWMA).
+overhead: request building, signing, commit — ``round_s - resp_s - L tau``, EWMA;
+a request's first round, whose span holds the session create and both prefills, reports
+no ``round_s``, and a sample longer than the round's own ``resp_s + L tau`` is a one-off
+stall (a retry, a re-created session) and is skipped: either would price seconds of
+one-off wait into every later round and pin the band at ``L_max`` for the next ~10
+rounds — under a 3x draft slowdown depth 8 at acceptance ~0.3).
 Per-position rates matter because real acceptance is not
 i.i.d. (measured on SmolLM2 with the trained draft at depth 8, MT-Bench / HumanEval: h_1
 0.61, h_2 0.77 / 0.48, h_3 0.53 / 0.42, deeper positions 0.5-1.0 on few trials), and a
 pooled rate misprices exactly the depths the band is choosing between. The
-gated PID proposal is projected onto that band (``L = clip(eta * B_hat, band)``).
-It keeps CAAC's choice whenever the model calls it near-optimal and otherwise pulls it
-to the nearest near-optimal depth — the PID alone targets an acceptance level and
-ignores how expensive a round trip is. The model prices the *current* draft latency
-``tau_f``, so under a slowdown the band itself moves to the depths that are rate-optimal
-at the slower speed, and the gate only chooses within it (toward its shallow end while
-``ESR > 0``): a sustained slowdown cannot drive the depth below the near-optimal band
-for the ~20 rounds the baseline ``tau_s`` needs to catch up (RAPID's gate applied after
-a band priced at ``tau_s`` can: with ``eta ~0.2`` after a 3x step it cuts depth 8 to 2).
+gated PID proposal is projected onto the upper part of that band, from the model's
+rate-optimal depth ``L*`` to the band's deep end (``L = clip(eta * B_hat, L*, hi)``).
+It keeps CAAC's choice whenever the model calls it near-optimal and no shallower than
+the optimum, and otherwise pulls it there — the PID alone targets an acceptance level
+and ignores how expensive a round trip is. The model prices the *current* draft latency
+``tau_f``, so under a slowdown ``L*`` and the band themselves move to the depths that
+are rate-optimal at the slower speed, and the gate only chooses within them (down to
+``L*`` while ``ESR > 0``): a sustained slowdown cannot drive the depth below the
+optimum for the ~20-30 rounds the baseline ``tau_s`` needs to catch up (RAPID's gate
+applied after a band priced at ``tau_s`` can: with ``eta ~0.2`` after a 3x step it cuts
+depth 8 to 2). The band's shallow end is not used: with correlated acceptance (the
+Qwen2.5-Coder pair on HumanEval: most blocks fully accepted) the rates of depths 2..8
+lie within a few % in the model, so the band is wide, and its shallow end is where the
+estimates' errors cost most (a round trip of ~0.2 s paid for 3-4 tokens); gate and PID
+pulled the depth there, measured: depth 2-3 at full acceptance for 10+ rounds, CAAC
+0.81-0.84x of fixed depth 5 under the 3x slowdown.
 
 RAPID's constants are not public; the defaults below are our starting points.
 """
@@ -72,13 +84,18 @@ class CAACParams:
     kp = 4, ki = 0.5, kd = 1: tokens of depth per unit of acceptance error (P), per
         round-unit of accumulated error (I), per unit of error change (D). Full
         acceptance (e = +0.4) adds 1.6 tokens at once and ~0.2 per round after.
-    w_resp = 0.3: EWMA of send->response seconds (``T_resp``), for the proactive cap.
+    w_resp = 0.3: EWMA of send->response seconds (``T_resp``), for the proactive cap;
+        also the weight of the response level of the round model (``resp_model``).
+    w_off = 0.1: weight of a depth's response offset from that level (slower than the
+        level, so the level, not the offsets, follows the cloud's speed over time).
     model_check = True, model_tol = 0.05 (keep depths within 5 % of the model's best
-        rate), model_warmup = 3 rounds before the model is trusted, min_pos_trials = 2
-        (discounted trials a position needs for its own h_k, and a depth for its own
-        mean response time), w_alpha = 0.1
+        rate), model_warmup = 3 rounds before the model is trusted, pos_prior = 1
+        (pseudo-trials of a position's h_k at the estimate of the position before it:
+        a position no longer tried drifts back to its predecessor's rate as its
+        discounted trials fade, instead of keeping a stale low estimate that keeps the
+        depth below it — a hard trial threshold did, for tens of rounds), w_alpha = 0.1
         (discount of the alpha estimate's success/trial counts per round: ~10-round
-        memory, ~40 trials at L~4; also the forgetting of the T_resp(L) fit).
+        memory, ~40 trials at L~4; also of the weights of the response offsets' line).
     """
 
     l_max: int = L_MAX
@@ -93,10 +110,11 @@ class CAACParams:
     ki: float = 0.5
     kd: float = 1.0
     w_resp: float = 0.3
+    w_off: float = 0.1
     model_check: bool = True
     model_tol: float = 0.05
     model_warmup: int = 3
-    min_pos_trials: float = 2.0
+    pos_prior: float = 1.0
     w_alpha: float = 0.1
 
 
@@ -123,13 +141,13 @@ class CAAC(DepthController):
         self.e_prev: float | None = None
         self.B_hat = float(min(max(p.l_init, 1.0), p.l_max))
         self.rounds = 0
-        # discounted alpha estimate and T_resp(L) regression
+        # discounted alpha estimate and the T_resp(L) model (level + per-depth offsets)
         self._succ = self._trials = 0.0
         self._pos_succ = [0.0] * (p.l_max + 1)      # index k: position k (1-based)
         self._pos_trials = [0.0] * (p.l_max + 1)
-        self._resp_sum = [0.0] * (p.l_max + 1)      # index L: responses at depth L
-        self._resp_w = [0.0] * (p.l_max + 1)
-        self._n = self._sl = self._st = self._sll = self._slt = 0.0
+        self._lvl: float | None = None              # response level (s), see resp_model
+        self._off = [0.0] * (p.l_max + 1)           # index L: offset of depth L (s)
+        self._off_w = [0.0] * (p.l_max + 1)         # discounted observations of depth L
         self.last: dict = {}
 
     # ------------------------------------------------------------------ physical path
@@ -159,40 +177,65 @@ class CAAC(DepthController):
         a = self.alpha
         if a is None:
             return None
-        out, prev = [], a
+        out, prev, m = [], a, self.p.pos_prior
         for k in range(1, self.l_max + 1):
-            n = self._pos_trials[k]
-            if n >= self.p.min_pos_trials:
-                prev = min(self._pos_succ[k] / n, 0.999)
+            prev = min((self._pos_succ[k] + m * prev) / (self._pos_trials[k] + m), 0.999)
             out.append(prev)
         return out
 
     def resp_model(self, L: int) -> float:
-        """Predicted send->response seconds for a block of depth L: the discounted mean
-        of the responses observed at depth L when there are enough of them (a CPU
-        target's pass time is not monotone in the block length: measured on SmolLM2
-        fp32, 1 thread, a 4-token pass is faster than a 3-token one), else the EWMA plus
-        a non-negative slope fitted by discounted least squares on (L, resp_s)."""
-        w = self._resp_w[L] if 0 <= L < len(self._resp_w) else 0.0
-        if w >= self.p.min_pos_trials:
-            return self._resp_sum[L] / w
-        base = self.t_resp or 0.0
-        if self._n <= 0:
-            return base
-        ml, mt = self._sl / self._n, self._st / self._n
-        var = self._sll / self._n - ml * ml
-        slope = max(0.0, (self._slt / self._n - ml * mt) / var) if var > 0.25 else 0.0
-        return max(0.0, base + slope * (L - ml))
+        """Predicted send->response seconds for a block of depth L: the current level
+        plus depth L's learned offset (a CPU target's pass time is not monotone in the
+        block length: measured on SmolLM2 fp32, 1 thread, a 4-token pass is faster than
+        a 3-token one); a depth never observed gets the offset of a non-negative line
+        fitted (weighted) through the observed depths' offsets.
 
-    def model_band(self) -> tuple[int, int] | None:
-        """Near-optimal depth interval of the round model, or None while not warmed up."""
+        Level and offsets (``r = level + off[L]``, both moved by each response's
+        prediction error, the level at ``w_resp``, the observed depth's offset at the
+        slower ``w_off``) keep the cloud's speed drifting over time out of the depth
+        comparison. Raw per-depth means and a slope fitted on raw ``(L, resp_s)`` pairs
+        did not: a depth last used while the cloud was slower kept looking expensive,
+        so the band locked onto the depths used recently (measured: depths 2-3 at full
+        acceptance for 10+ rounds where fixed depth 5 was 20 % faster)."""
+        if self._lvl is None:
+            return self.t_resp or 0.0
+        if 0 <= L < len(self._off) and self._off_w[L] > 0:
+            return max(0.0, self._lvl + self._off[L])
+        seen = [(d, w, self._off[d]) for d, w in enumerate(self._off_w) if w > 0]
+        W = sum(w for _, w, _ in seen)
+        if W <= 0:
+            return max(0.0, self._lvl)
+        md = sum(w * d for d, w, _ in seen) / W
+        mo = sum(w * o for _, w, o in seen) / W
+        var = sum(w * (d - md) ** 2 for d, w, _ in seen) / W
+        cov = sum(w * (d - md) * (o - mo) for d, w, o in seen) / W
+        slope = max(0.0, cov / var) if var > 0.25 else 0.0
+        return max(0.0, self._lvl + mo + slope * (L - md))
+
+    def model_rates(self) -> list[float] | None:
+        """Predicted committed tokens per second of depths 1..L_max (the round model at
+        the current draft latency ``tau_f``), or None while not warmed up."""
         p = self.p
         if (not p.model_check or self.rounds < p.model_warmup or self.alpha is None
                 or not self.tau_s or self.t_resp is None):
             return None
-        return analytic.near_optimal_band(self.position_acceptance(), self.tau_f,
-                                          lambda L: self.resp_model(L) + self.t_edge,
-                                          self.l_max, p.model_tol)
+        h = self.position_acceptance()
+        return [analytic.round_rate(h, L, self.tau_f, self.resp_model(L) + self.t_edge)
+                for L in range(1, self.l_max + 1)]
+
+    def model_band(self) -> tuple[int, int] | None:
+        """Near-optimal depth interval of the round model, or None while not warmed up."""
+        rates = self.model_rates()
+        if rates is None:
+            return None
+        top = max(rates)
+        ok = [i + 1 for i, r in enumerate(rates) if r >= (1.0 - self.p.model_tol) * top]
+        return ok[0], ok[-1]
+
+    def model_best(self) -> int | None:
+        """The round model's rate-optimal depth (ties: the smaller), or None."""
+        rates = self.model_rates()
+        return None if rates is None else 1 + max(range(len(rates)), key=rates.__getitem__)
 
     # ------------------------------------------------------------------ policy
 
@@ -201,7 +244,9 @@ class CAAC(DepthController):
         B = self.eta * self.B_hat
         band = self.model_band()
         if band is not None:
-            B = min(max(B, band[0]), band[1])
+            # not below the model's optimum: the shallow end of a flat band is where a
+            # round trip is paid for the fewest tokens (see the module docstring)
+            B = min(max(B, self.model_best()), band[1])
         L = self.clamp(round(B))
         cap = None
         if stats.proactive and self.tau_f and (stats.delay_s or self.t_resp):
@@ -223,21 +268,26 @@ class CAAC(DepthController):
                 self.tau_s += p.w_slow * (tau - self.tau_s)
         if (rnd.round_s is not None and rnd.resp_s is not None
                 and rnd.draft_s_per_token is not None):
-            over = max(0.0, rnd.round_s - rnd.resp_s - rnd.depth * rnd.draft_s_per_token)
-            self.t_edge += p.w_resp * (over - self.t_edge)
+            work = rnd.resp_s + rnd.depth * rnd.draft_s_per_token
+            over = max(0.0, rnd.round_s - work)
+            if over <= work:        # longer than the round's own work: a one-off stall
+                self.t_edge += p.w_resp * (over - self.t_edge)
         if rnd.resp_s is not None and rnd.resp_s >= 0:
             r = float(rnd.resp_s)
             self.t_resp = r if self.t_resp is None else self.t_resp + p.w_resp * (r - self.t_resp)
-            lam = 1.0 - p.w_alpha
-            L = float(rnd.depth)
-            self._n, self._sl, self._st = lam * self._n + 1, lam * self._sl + L, lam * self._st + r
-            for d in range(len(self._resp_w)):     # per-depth means, same discount
-                self._resp_sum[d] *= lam
-                self._resp_w[d] *= lam
-            if 0 <= rnd.depth < len(self._resp_w):
-                self._resp_sum[rnd.depth] += r
-                self._resp_w[rnd.depth] += 1.0
-            self._sll, self._slt = lam * self._sll + L * L, lam * self._slt + L * r
+            if 0 <= rnd.depth < len(self._off):
+                d = rnd.depth
+                if self._lvl is None:
+                    self._lvl = r
+                else:
+                    e = r - self.resp_model(d)
+                    if self._off_w[d] <= 0:     # first sighting: start from the fit
+                        self._off[d] = self.resp_model(d) - self._lvl
+                    self._lvl += p.w_resp * e
+                    self._off[d] += p.w_off * e
+                lam = 1.0 - p.w_alpha
+                self._off_w = [w * lam for w in self._off_w]
+                self._off_w[d] += 1.0
         if rnd.depth <= 0:
             return                              # plain target step: no acceptance signal
         self.rounds += 1
