@@ -214,12 +214,17 @@ def _interp(points: dict, x: float) -> float:
     return points[keys[-1]]
 
 
+def _searched(R: int, L: int) -> bool:
+    """True when :data:`SKIP_SETS` holds the skip draft's resident set for R of L."""
+    return L == 28 and R in SKIP_SETS
+
+
 def skip_agreement(R: int, L: int) -> float:
     """The skip draft's per-token chain agreement with ``R`` of ``L`` layers resident
     (:func:`skip_layers`): its searched set's block figure (:data:`SKIP_SETS`), else
     the best split's (:data:`SKIP_MEASURED`) through :func:`_chain_a`, linear in
     ``28 R / L`` between the measured points, 0 at R = 0 and 1 at R = L."""
-    if L == 28 and R in SKIP_SETS:
+    if _searched(R, L):
         return _chain_a(SKIP_SETS[R][2])
     pts = {0: 0.0, 28: 1.0} | {r: _chain_a(acc) for r, (_, _, acc) in SKIP_MEASURED.items()}
     return min(1.0, max(0.0, _interp(pts, 28.0 * R / L)))
@@ -237,7 +242,7 @@ def skip_layers(R: int, L: int) -> tuple[int, ...]:
     """The resident decoder layers of the skip draft with ``R`` of ``L`` resident: the
     searched set of :data:`SKIP_SETS` (L = 28), else the first :func:`skip_split` and
     the last ``R - R1``."""
-    if L == 28 and R in SKIP_SETS:
+    if _searched(R, L):
         return tuple(SKIP_SETS[R][0])
     r1 = skip_split(R, L)
     return tuple(range(r1)) + tuple(range(L - (R - r1), L))
@@ -319,7 +324,7 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     if best is None or best[0][0] <= 1.0 / t_ar:   # no draft pays: the target alone
         best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0, "exit")
     (rate, t_full, t_draft, a), E, k, draft = best
-    searched = draft == "skip" and s.layers == 28 and R in SKIP_SETS
+    searched = draft == "skip" and _searched(R, s.layers)
     tail = R - skip_split(R, s.layers) if draft == "skip" and not searched else 0
     layer_set = skip_layers(R, s.layers) if searched else ()
     width = WIDTH if k and t_draft < 0.1 * t_full else 1

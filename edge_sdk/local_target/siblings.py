@@ -27,16 +27,7 @@ import torch
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol import tree as TR
 
-__all__ = ["sibling_ids", "tree_siblings", "resident_mask", "full_inputs",
-           "greedy_tree_verdict"]
-
-
-def sibling_ids(exit_logits: torch.Tensor, first: int | None, m: int) -> list[int]:
-    """The ``m`` best tokens of ``exit_logits`` [V] other than ``first``, best first
-    (finite logits only: the exit's restricted vocabulary)."""
-    top = torch.topk(exit_logits, m + 1).indices.tolist()
-    fin = torch.isfinite(exit_logits)
-    return [t for t in top if t != first and bool(fin[t])][:m]
+__all__ = ["tree_siblings", "resident_mask", "full_inputs", "greedy_tree_verdict"]
 
 
 def tree_siblings(logits: list[torch.Tensor], drafts: list[int], m: int
