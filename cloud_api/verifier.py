@@ -101,7 +101,7 @@ class Verifier:
         t0 = time.perf_counter()
         if len(s.tokens) > 1:
             s.kv.crop(0)
-            s.kv.forward(s.tokens[:-1])
+            s.kv.forward(s.tokens[:-1], last=1)     # no logits are read: skip the head
         return time.perf_counter() - t0
 
     def verify_batch(self, items: list[tuple[Session, VerifyRequest]], sinks=None):

@@ -542,6 +542,24 @@ def test_kvmodel_rebuilt_after_failed_forward():
     assert kv.ids == [5, 6, 7, 8, 9, 10, 11] and kv.cache_len() == 7
 
 
+def test_kvmodel_last_rows_skip_the_head_not_the_cache():
+    """``forward(..., last=n)``: only the last n rows' logits (the prefill skips the LM
+    head for rows nobody reads); the KV cache is the same as a full pass's."""
+    m = tiny_model(seed=0)
+    full, part = KVModel(m), KVModel(m)
+    ref = full.forward([5, 6, 7, 8, 9, 10])
+    got = part.forward([5, 6, 7, 8, 9, 10], last=2)
+    assert got.shape == (2, ref.shape[1])
+    assert torch.allclose(got, ref[-2:], atol=1e-5)
+    for a, b in zip(full.cache.layers, part.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert part.ids == full.ids and part.cache_len() == 6
+    assert torch.allclose(part.forward([11]), full.forward([11]), atol=1e-5)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="last="):
+            KVModel(m).forward([5, 6], last=bad)
+
+
 def test_cloud_session_recovers_after_failed_target_pass(tok):
     """A target pass that dies mid-forward leaves the session's confirmed state alone
     and its cache rebuilt; resending the block gives the normal answer."""
