@@ -141,6 +141,9 @@ class EvalConfig:
         n_chat: MT-Bench questions (first of the seed-0 order, <= 48).
         max_new_tokens: HumanEval budget per problem; chat_tokens: per MT-Bench question.
         depth: draft depth. head: the server's decision head (``auto`` or a path).
+        max_per_block, strict, relaxed: the server's per-block cap and thresholds (as
+            ``serve --wisv-max-per-block/--wisv-strict/--wisv-relaxed``; None: its
+            defaults, 4 / 0.90 / 0.35).
         timeout_s: per-completion execution timeout (s). quick: the ``--quick`` preset.
     """
 
@@ -153,6 +156,9 @@ class EvalConfig:
     chat_tokens: int = 128
     depth: int = 6
     head: str = "auto"
+    max_per_block: int | None = None
+    strict: float | None = None
+    relaxed: float | None = None
     timeout_s: float = 5.0
     quick: bool = False
 
@@ -191,7 +197,8 @@ def _bench_config(cfg: EvalConfig, prompt_sets: dict):
         max_new_tokens=max(cfg.max_new_tokens, cfg.chat_tokens), depth=cfg.depth,
         target=cfg.target, draft=cfg.draft, prompt_sets=prompt_sets,
         mode_options={m: {"generate": gen} for m in (EXACT, SEMANTIC)},
-        server_kw={"wisv_head": cfg.head})
+        server_kw={"wisv_head": cfg.head, "wisv_max_per_block": cfg.max_per_block,
+                   "wisv_strict": cfg.strict, "wisv_relaxed": cfg.relaxed})
 
 
 def _read_records(path: Path) -> list[dict]:

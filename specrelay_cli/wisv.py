@@ -222,11 +222,19 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
               help="Draft depth (tokens per block).")
 @click.option("--head", default="auto", metavar="auto|PATH",
               help="Decision head the server loads (as `serve --wisv-head`).")
+@click.option("--max-per-block", default=None, type=click.IntRange(1, MAX_DRAFT_TOKENS),
+              help="Most draft tokens of one block accepted semantically (as `serve "
+              "--wisv-max-per-block`) [default: the server's, 4].")
+@click.option("--strict", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="Head-probability threshold on a good link (as `serve --wisv-strict`) "
+              "[default: 0.9].")
+@click.option("--relaxed", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="Threshold on a bad link (as `serve --wisv-relaxed`) [default: 0.35].")
 @click.option("--out", "-o", default="wisv-eval", type=click.Path(file_okay=False),
               help="Folder for wisv_eval.json, wisv_eval.png and requests.jsonl.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_tokens,
-          depth, head, out, no_progress):
+          depth, head, max_per_block, strict, relaxed, out, no_progress):
     """Exact vs semantic acceptance on the same prompts and seeds, HumanEval executed.
 
     \b
@@ -239,7 +247,15 @@ def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_t
 
     cfg = EvalConfig.preset(quick, target=target, draft=draft, profiles=profiles,
                             n_code=n_code, n_chat=n_chat, max_new_tokens=max_new_tokens,
-                            chat_tokens=chat_tokens, depth=depth, head=head)
+                            chat_tokens=chat_tokens, depth=depth, head=head,
+                            max_per_block=max_per_block, strict=strict, relaxed=relaxed)
+    from cloud_api.wisv.threshold import ThresholdPolicy
+
+    try:                                 # the server would refuse it after loading
+        ThresholdPolicy(**{k: v for k, v in (("strict", strict), ("relaxed", relaxed))
+                           if v is not None})
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--strict/--relaxed") from None
     report = run_eval(cfg, out, progress=not no_progress,
                       log=lambda s: click.echo(s, err=True))
     print_report(report, click.echo)

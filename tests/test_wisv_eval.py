@@ -189,6 +189,25 @@ def test_bench_config_of_the_eval():
     assert gen["humaneval"]["max_new_tokens"] == cfg.max_new_tokens
     assert gen["mtbench"]["max_new_tokens"] == cfg.chat_tokens
     assert bc.mode_options[W.EXACT] == bc.mode_options[W.SEMANTIC]
+    assert bc.server_kw == {"wisv_head": "auto", "wisv_max_per_block": None,
+                            "wisv_strict": None, "wisv_relaxed": None}
+
+
+def test_eval_cli_passes_the_cap_and_thresholds_to_the_server():
+    """``wisv eval --max-per-block/--strict/--relaxed`` reach the server's options (as
+    ``serve --wisv-*``); an inconsistent pair is refused before anything loads."""
+    from click.testing import CliRunner
+
+    from cloud_api.wisv.serving import OPTION_KEYS
+    from specrelay_cli.wisv import wisv
+
+    cfg = W.EvalConfig.preset(True, max_per_block=4, relaxed=0.4)
+    kw = W._bench_config(cfg, {"humaneval": [object()]}).server_kw
+    assert kw["wisv_max_per_block"] == 4 and kw["wisv_relaxed"] == 0.4
+    assert kw["wisv_strict"] is None
+    assert set(kw) <= set(OPTION_KEYS)
+    r = CliRunner().invoke(wisv, ["eval", "--quick", "--relaxed", "0.95"])
+    assert r.exit_code == 2 and "relaxed <= strict" in r.output
 
 
 def test_wisv_mode_is_greedy_only_and_compared_with_specrelay():
