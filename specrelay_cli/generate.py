@@ -229,8 +229,11 @@ def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
     tmodel, tok = load_model(target, dtype=dtype, packed=packed_default())
     sem = None
     if semantic:
+        from cloud_api.wisv.serving import DEFAULT_MAX_PER_BLOCK
+
         sem = semantic_setting(tmodel, target, {"head": wisv_head, "strict": None,
-                                                "relaxed": None, "max_per_block": 2})
+                                                "relaxed": None,
+                                                "max_per_block": DEFAULT_MAX_PER_BLOCK})
         if sem is None:
             raise click.BadParameter(f"no shipped WISV head for {target}: pass a head "
                                      "file (specrelay wisv train)", param_hint="--wisv-head")

@@ -277,9 +277,9 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
 @click.option("--wisv-strict", type=float, default=None,
               help="Head-probability threshold on a good link (default 0.9).")
 @click.option("--wisv-relaxed", type=float, default=None,
-              help="Threshold on a bad link (default 0.5); the threshold moves from "
+              help="Threshold on a bad link (default 0.35); the threshold moves from "
               "strict to relaxed as the RTT + upload time the edge reports grows.")
-@click.option("--wisv-max-per-block", type=click.IntRange(min=1), default=2,
+@click.option("--wisv-max-per-block", type=click.IntRange(min=1), default=4,
               show_default=True, help="Most draft tokens of one block accepted "
               "semantically.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,

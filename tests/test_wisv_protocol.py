@@ -214,7 +214,7 @@ def test_head_settings(tmp_path):
     assert sa.max_per_block == 3 and sa.policy.strict == 0.8 and sa.policy.relaxed == 0.6
     assert float(sa.head.net.bias.detach()) == 2.0
     for bad, kw in ((tmp_path / "missing.safetensors", {}), (path, {"hidden": 16}),
-                    (path, {"strict": 0.4})):
+                    (path, {"strict": 0.3})):
         with pytest.raises(ValueError) as e:
             semantic_for(str(bad), kw.get("hidden", H), strict=kw.get("strict"))
         assert "\n" not in str(e.value)
