@@ -265,3 +265,23 @@ def test_bench_cli_passes_the_head_for_the_wisv_mode():
     assert cfg.modes == ["specrelay", "wisv"] and cfg.server_kw["wisv_head"] == "h.st"
     ctx = bench.make_context("bench", ["--modes", "specrelay"])
     assert "wisv_head" not in _config(ctx.params).server_kw
+
+
+def test_cli_help_states_the_library_defaults():
+    """The CLI modules avoid importing the WISV package, so their help texts and the
+    ``serve --wisv-max-per-block`` default copy the library's constants; this pins the
+    copies to the constants (a change of default must change both)."""
+    from cloud_api.wisv.serving import DEFAULT_MAX_PER_BLOCK
+    from cloud_api.wisv.threshold import ThresholdPolicy
+    from specrelay_cli.serve import serve
+    from specrelay_cli.wisv import wisv
+
+    policy = ThresholdPolicy()
+    opts = {p.name: p for p in serve.params}
+    assert opts["wisv_max_per_block"].default == DEFAULT_MAX_PER_BLOCK
+    assert f"(default {policy.strict:g})" in opts["wisv_strict"].help
+    assert f"(default {policy.relaxed:g})" in opts["wisv_relaxed"].help
+    ev = {p.name: p for p in wisv.commands["eval"].params}
+    assert f"[default: the server's, {DEFAULT_MAX_PER_BLOCK}]" in ev["max_per_block"].help
+    assert f"[default: {policy.strict:g}]" in ev["strict"].help
+    assert f"[default: {policy.relaxed:g}]" in ev["relaxed"].help
