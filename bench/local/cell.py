@@ -4,7 +4,7 @@
 The spec: ``target``, ``method`` (``cats`` / ``ar``), ``budget`` (fraction or bytes),
 ``storage`` (profile name), ``dtype``, ``threads``, ``requests`` (a list of
 ``{prompt_id, workload, prompt_ids, seed}``), ``sampling`` (a SamplingConfig dict),
-``max_new_tokens``, ``depth`` (None: the plan's).
+``max_new_tokens``, ``depth``, ``beam``, ``nodes`` (None or absent: the plan's).
 
 The answer: ``rss_after_import_bytes`` (the interpreter + torch + transformers, before
 any weight), ``rss_after_load_bytes``, ``peak_rss_bytes`` (``ru_maxrss`` at the end:
@@ -45,6 +45,7 @@ def run(spec: dict) -> dict:
 
     sess = build_local(spec["target"], spec["budget"], spec["storage"], spec["dtype"],
                        spec["method"], calibration, spec.get("depth"))
+    sess.beam, sess.nodes = spec.get("beam"), spec.get("nodes")
     rss1 = _rss_now()
     cfg = SamplingConfig.from_dict(spec["sampling"])
     recs = []

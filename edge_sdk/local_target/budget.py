@@ -50,7 +50,11 @@ Width (greedy): ``WIDTH - 1`` sibling candidates ride in the same full pass
 draft's path confidence) whenever the plan drafts and their one extra resident pass
 costs under 10 % of ``t_full`` (streamed bytes dominate, so the wider pass is nearly
 free); each hit adds one token to the round. No measured top-w coverage enters the model: the
-bench reports the sibling hit rate.
+bench reports the sibling hit rate. On the same condition the plan drafts greedy blocks
+as a dynamic tree instead (:mod:`.dyntree`, EAGLE-2): ``BEAM`` nodes expanded per depth,
+each with its ``BEAM`` most likely children, the best ``NODES`` verified; each level
+costs one resident pass over ``BEAM`` rows, about a one-token pass while the resident
+weights' bytes dominate, and the full pass stays one streamed pass.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "SKIP_SETS", "agreement",
            "skip_agreement", "skip_split", "skip_layers", "draft_label", "plan", "parse_bytes", "MEM_BW", "MEM_BW_PACKED", "MAX_DEPTH",
-           "WIDTH"]
+           "WIDTH", "BEAM", "NODES"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
 """Exit layer (of 28) -> tuned exit-head top-1 agreement with the final layer on
@@ -100,6 +104,8 @@ draft's token at R = 12 (2 + 10) 51.5 ms against 102.6 ms dense."""
 
 MAX_DEPTH = 8
 WIDTH = 8
+BEAM = 1
+NODES = 24
 
 
 def parse_bytes(text: str | int | float, total: int | None = None) -> int:
@@ -164,9 +170,13 @@ class Plan:
     draft: str = "exit"
     tail_layers: int = 0
     layer_set: tuple = ()
+    beam: int = 1
+    nodes: int = 0
     """``draft``: ``exit`` (layers 0..E-1 + the exit head at ``exit_layer``) or ``skip``
     (layers 0..R1-1 and the last ``tail_layers`` resident, ``exit_layer`` = 0; or the
-    resident decoder layers ``layer_set`` when it is not empty, ``tail_layers`` = 0)."""
+    resident decoder layers ``layer_set`` when it is not empty, ``tail_layers`` = 0).
+    ``beam`` > 1: greedy blocks are dynamic trees of ``depth`` levels, ``beam`` nodes
+    expanded per level, ``nodes`` verified (1: chains with ``width - 1`` siblings)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -328,6 +338,8 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     tail = R - skip_split(R, s.layers) if draft == "skip" and not searched else 0
     layer_set = skip_layers(R, s.layers) if searched else ()
     width = WIDTH if k and t_draft < 0.1 * t_full else 1
+    beam, nodes = (BEAM, NODES) if width > 1 else (1, 0)
     return Plan(budget, R, embed, E, k, _memory(s, R, embed, max_ctx), t_full, t_draft,
                 a, rate, 1.0 / t_full if t_full else math.inf,
-                t_draft / t_full if t_full else 0.0, width, draft, tail, layer_set)
+                t_draft / t_full if t_full else 0.0, width, draft, tail, layer_set,
+                beam, nodes)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edge_sdk.exit_head import ExitHead
+from edge_sdk.local_target.dyntree import greedy_path, rerank, rows_mask, top_children
 from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
                                             resident_mask, tree_siblings)
@@ -153,6 +154,14 @@ class ExitDraft:
         h = self.t.run_layers(self.t.embed([tok]), 0, self.split)
         return h, self.head.logits(h[0])[0]
 
+    def step_rows(self, toks: list[int], pos: torch.Tensor, mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree rows ``toks`` [q] at positions ``pos`` long [1, q] under ``mask`` bool
+        [1, 1, q, cached + q]: residual streams at E [1, q, H], exit logits float32
+        [q, V]."""
+        h = self.t.run_layers(self.t.embed(toks), 0, self.split, pos, mask)
+        return h, self.head.logits(h[0])
+
     def release(self, n: int) -> None:
         """Nothing draft-only to drop."""
 
@@ -172,18 +181,25 @@ class CatsDecoder:
             policy ``(draft logits [g] of [V], drafts [g], m) -> alts [g]`` that places
             the ``width - 1`` siblings (:func:`~.siblings.tree_siblings`; any choice
             keeps the output exact).
+        beam: greedy blocks as a dynamic draft tree (:mod:`.dyntree`, EAGLE-2) that
+            expands the ``beam`` most confident nodes of each depth with their
+            ``beam`` most likely children, up to ``depth`` levels (1: a chain, with
+            siblings by ``width``). nodes: the most tree nodes the full pass verifies
+            (the root, the context's last token, is one more row).
     Raises:
         ValueError: the exit layer is not resident or depth is outside 1..8.
     """
 
     def __init__(self, target: OffloadedTarget, head, depth: int,
-                 gate: float = 0.0, width: int = 1, siblings=tree_siblings):
+                 gate: float = 0.0, width: int = 1, siblings=tree_siblings,
+                 beam: int = 1, nodes: int = 24):
         draft = ExitDraft(target, head) if isinstance(head, ExitHead) else head
         if not 1 <= depth <= 8:
             raise ValueError(f"depth {depth} outside 1..8")
         self.t, self.draft, self.depth, self.gate = target, draft, int(depth), float(gate)
         self.E, self.width, self.sibling_hits = draft.split, max(1, int(width)), 0
         self.siblings = siblings
+        self.beam, self.nodes = max(1, int(beam)), max(1, int(nodes))
 
     def _draft(self, ids: list[int], k: int, cfg, seed: int):
         """Up to ``k`` draft tokens from the resident layers (stage 1-2). Returns
@@ -210,6 +226,8 @@ class CatsDecoder:
         """One round: draft, one verification pass, the verdict; the caches end at the
         confirmed prefix minus its last token. Returns ``(new tokens, drafted,
         accepted)``."""
+        if self.beam > 1 and k and cfg.greedy and cfg.repetition_penalty == 1.0:
+            return self._dyn_round(ids, k)
         drafts, qs, hs, lgs = self._draft(ids, k, cfg, seed) if k else ([], [], [], [])
         last = drafts[-1] if drafts else ids[-1]
         hs.append(self.t.run_layers(self.t.embed([last]), 0, self.E))
@@ -243,6 +261,64 @@ class CatsDecoder:
             self.t.keep(P + 1 + a, [P + 1 + k + j])
             self.sibling_hits += 1
         return new, k, a
+
+    def _dyn_round(self, ids: list[int], k: int) -> tuple[list[int], int, int]:
+        """The greedy round over a dynamic draft tree of at most ``k`` levels
+        (:mod:`.dyntree`): one resident pass per level over the expanded nodes, one
+        over the selected nodes never expanded (layers below the split only), the
+        caches below the split reordered to the pass rows ``[root, selected]``, ONE
+        full pass, the verdict, every cache cut to the accepted path. Returns ``(new
+        tokens, tree depth, accepted nodes)``; accepted nodes that are not their
+        parent's most likely child count as :attr:`sibling_hits`."""
+        t, d, P = self.t, self.draft, len(ids) - 1
+        toks, par, dep, sc, rank = [], [], [], [], []
+        h_of: dict[int, torch.Tensor] = {}
+
+        def grow(parent: int, logits: torch.Tensor, base: float, depth: int) -> None:
+            for r, (tok, p) in enumerate(top_children(logits, self.beam)):
+                toks.append(tok), par.append(parent), dep.append(depth)
+                sc.append(base * p), rank.append(r)
+
+        h0, lg0 = d.step(ids[-1])                       # the root, at position P
+        h_of[-1], cached = h0[0, 0], [-1]
+        grow(-1, lg0, 1.0, 1)
+        level = list(range(len(toks)))
+        for depth in range(2, k + 1):
+            expand = sorted(level, key=lambda n: -sc[n])[: self.beam]
+            if not expand or sc[expand[0]] < self.gate:
+                break
+            pos = torch.tensor([[P + dep[n] for n in expand]], dtype=torch.long)
+            h, lg = d.step_rows([toks[n] for n in expand], pos,
+                                rows_mask(par, expand, cached, P))
+            cached += expand
+            start = len(toks)
+            for r, n in enumerate(expand):
+                h_of[n] = h[0, r]
+                grow(n, lg[r], sc[n], depth)
+            level = list(range(start, len(toks)))
+        sel = rerank(sc, dep, self.nodes)
+        extra = [n for n in sel if n not in h_of]
+        if extra:                              # below the split only: no draft logits
+            pos = torch.tensor([[P + dep[n] for n in extra]], dtype=torch.long)
+            hx = t.run_layers(t.embed([toks[n] for n in extra]), 0, self.E, pos,
+                              rows_mask(par, extra, cached, P))
+            for r, n in enumerate(extra):
+                h_of[n] = hx[0, r]
+            cached += extra
+        d.release(P)                           # draft-only tail entries
+        at = {n: P + j for j, n in enumerate(cached)}
+        t.keep(P, [at[n] for n in [-1] + sel], range(self.E))
+        T = 1 + len(sel)
+        pos = torch.tensor([[P] + [P + dep[n] for n in sel]], dtype=torch.long)
+        mask = torch.zeros(1, 1, T, P + T, dtype=torch.bool)
+        mask[0, 0, 0, : P + 1] = True
+        mask[0, 0, 1:] = rows_mask(par, sel, [-1], P)[0, 0]
+        x = torch.stack([h_of[n] for n in [-1] + sel])[None]
+        h = t.run_layers(x, self.E, t.num_layers, pos, mask)
+        path, nxt = greedy_path(S.greedy_token(t.logits(h)), toks, par, sel)
+        t.keep(P + 1, [P + r for r in path])
+        self.sibling_hits += sum(rank[sel[r - 1]] > 0 for r in path)
+        return [toks[sel[r - 1]] for r in path] + [nxt], max(dep[n] for n in sel), len(path)
 
     def generate(self, prompt: list[int], max_new_tokens: int, cfg: S.SamplingConfig,
                  seed: int = 0, eos=()) -> tuple[list[int], LocalStats]:

@@ -269,11 +269,15 @@ class OffloadedTarget:
             if have > n:
                 lay.crop(n - have)
 
-    def keep(self, n: int, extra: list[int]) -> None:
-        """Keep the first ``n`` cached tokens of every layer plus the entries at cache
-        indexes ``extra`` (in that order): the accepted branch of a token tree."""
+    def keep(self, n: int, extra: list[int], layers: Container[int] | None = None
+             ) -> None:
+        """Keep the first ``n`` cached tokens of every layer (or of the layers in
+        ``layers``) plus the entries at cache indexes ``extra`` (in that order): the
+        accepted branch of a token tree."""
         idx = torch.tensor(list(range(n)) + list(extra), dtype=torch.long)
-        for lay in self.cache.layers:
+        for i, lay in enumerate(self.cache.layers):
+            if layers is not None and i not in layers:
+                continue
             if lay.get_seq_length() > n:
                 lay.keys = lay.keys.index_select(-2, idx)
                 lay.values = lay.values.index_select(-2, idx)

@@ -26,13 +26,16 @@ __all__ = ["LocalSession", "build_local"]
 @dataclass
 class LocalSession:
     """A ready local target. ``method``: ``cats`` or ``ar`` (the target alone);
-    ``depth`` / ``width`` override the plan's (None: the plan's)."""
+    ``depth`` / ``width`` / ``beam`` / ``nodes`` override the plan's (None: the
+    plan's; ``beam=1``: chains with siblings)."""
 
     local: LocalTarget
     eos: tuple = ()
     method: str = "cats"
     depth: int | None = None
     width: int | None = None
+    beam: int | None = None
+    nodes: int | None = None
     _held: list = field(default_factory=list, repr=False)   # tokens in the KV cache
 
     @property
@@ -43,7 +46,9 @@ class LocalSession:
         """The CATS decoder of the plan (depth override: :attr:`depth`)."""
         p = self.local.plan
         return CatsDecoder(self.local.target, self.local.head, self.depth or p.depth, p.gate,
-                           p.width if self.width is None else self.width)
+                           p.width if self.width is None else self.width,
+                           beam=p.beam if self.beam is None else self.beam,
+                           nodes=(self.nodes or p.nodes or 1))
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int,
                  cfg: SamplingConfig = SamplingConfig(), seed: int = 0

@@ -101,6 +101,16 @@ class SkipDraft:
         g = self.t.run_list(h, self.tail)
         return h, self.logits(g[0])[0]
 
+    def step_rows(self, toks: list[int], pos: torch.Tensor, mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree rows ``toks`` [q] at positions ``pos`` long [1, q] under ``mask`` bool
+        [1, 1, q, cached + q] (the same over the leading layers and the tail: both
+        hold the prefix and the rows drafted so far): residual streams at ``R1``
+        [1, q, H] and draft logits float32 [q, V]."""
+        h = self.t.run_layers(self.t.embed(toks), 0, self.split, pos, mask)
+        g = self.t.run_list(h, self.tail, pos, mask)
+        return h, self.logits(g[0])
+
     def release(self, n: int) -> None:
         """Drop the draft-only entries: the tail layers' caches back to ``n`` tokens
         (the confirmed prefix minus its last token), before the verification pass."""
