@@ -25,6 +25,9 @@ def summary_md(results: dict) -> str:
         m, p = r["metrics"], dict(r["local"]["plan"])
         if p.get("draft") == "skip":              # first R1 + last R2, or a set
             p["exit_layer"] = draft_label(p).replace("skip draft", "skip")
+        beam = r["local"].get("beam", p.get("beam", 1))
+        if beam > 1:                              # a dynamic tree: beam x nodes
+            p["width"] = f"tree {beam}x{r['local'].get('nodes', p.get('nodes'))}"
         if r["mode"] == "local-offload-ar":       # the target alone: no draft
             p.update(exit_layer="-", depth="-", width="-")
         lines.append(

@@ -99,12 +99,16 @@ class LocalSession:
         return [S.sample_next(self.local.target.logits(lg)[0], cfg, ids, gen)[0]]
 
     def describe(self) -> dict:
-        """The plan, the measured resident bytes and the storage profile (JSON-able)."""
-        t = self.local.target
+        """The plan, the measured resident bytes, the storage profile and the draft
+        tree actually used (``beam``, ``nodes``; beam 1: chains) (JSON-able)."""
+        t, p = self.local.target, self.plan
+        beam = max(1, p.beam if self.beam is None else self.beam)
+        nodes = (self.nodes or p.nodes or 1) if beam > 1 else 0
         return {"plan": self.plan.to_dict(), "resident_bytes": t.resident_bytes(),
                 "storage": t.storage.profile.name,
                 "storage_bytes_per_s": t.storage.profile.bytes_per_s,
-                "exit_head": getattr(self.local.head, "name", None), "method": self.method}
+                "exit_head": getattr(self.local.head, "name", None), "method": self.method,
+                "beam": beam, "nodes": nodes}
 
 
 def build_local(name: str, budget, storage: str = "nvme", dtype: str = "bfloat16",
