@@ -174,3 +174,18 @@ def test_a_sampled_config_takes_the_chain(tmp_path, model):
     chain = CatsDecoder(t, SkipDraft(t, None), 4).generate(PROMPT, 24, cfg, seed=7)[0]
     tree = CatsDecoder(t, SkipDraft(t, None), 4, beam=4).generate(PROMPT, 24, cfg, seed=7)[0]
     assert tree == chain
+
+
+def test_the_plan_drafts_trees_where_drafting_is_cheap():
+    """The 1.5B target's sizes at a 50 % budget on nvme: the skip draft costs far
+    under 10 % of the streamed pass, so the plan drafts ``BEAM`` x ``NODES`` trees of at
+    most ``TREE_DEPTH`` levels; with everything resident nothing is streamed, no
+    draft pays, and there is no tree."""
+    from edge_sdk.local_target import budget as B
+
+    s = B.Sizes(93_603_840, 466_747_392, 466_747_392, 3072, 28, 1536, 151936, 28 * 1024)
+    half = B.plan(s, s.weights // 2, 2e9, packed=True)
+    assert half.width > 1 and (half.beam, half.nodes) == (B.BEAM, B.NODES)
+    assert 1 <= half.depth <= B.TREE_DEPTH
+    full = B.plan(s, 2 * s.weights, 2e9, packed=True)
+    assert full.depth == 0 and (full.beam, full.nodes) == (1, 0)

@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "SKIP_SETS", "agreement",
            "skip_agreement", "skip_split", "skip_layers", "draft_label", "plan", "parse_bytes", "MEM_BW", "MEM_BW_PACKED", "MAX_DEPTH",
-           "WIDTH", "BEAM", "NODES"]
+           "WIDTH", "BEAM", "NODES", "TREE_DEPTH"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
 """Exit layer (of 28) -> tuned exit-head top-1 agreement with the final layer on
@@ -104,8 +104,16 @@ draft's token at R = 12 (2 + 10) 51.5 ms against 102.6 ms dense."""
 
 MAX_DEPTH = 8
 WIDTH = 8
-BEAM = 1
-NODES = 24
+BEAM = 4
+NODES = 16
+TREE_DEPTH = 4
+"""The dynamic tree of a plan that drafts cheaply (``width`` > 1): ``BEAM`` nodes
+expanded per level, ``NODES`` verified, at most ``TREE_DEPTH`` levels. Chosen with
+``python -m bench.probes.cats_tree --offset 4`` (HumanEval/MT-Bench prompts 4..7, 32
+greedy tokens, 50 % budget, nvme) among 4x16 at depths 4 and 5, 4x12, 3x12 and the
+chain of depth 5 with 7 siblings: 4 levels x 4 x 16 nodes 2.50 / 2.34 tok/s against the
+chain's 2.30 / 2.12 (3.37 / 3.12 tokens per pass against 3.12 / 2.98, the same 1.35 s
+per round); docs/figures/cats/tree."""
 
 
 def parse_bytes(text: str | int | float, total: int | None = None) -> int:
@@ -338,7 +346,9 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     tail = R - skip_split(R, s.layers) if draft == "skip" and not searched else 0
     layer_set = skip_layers(R, s.layers) if searched else ()
     width = WIDTH if k and t_draft < 0.1 * t_full else 1
-    beam, nodes = (BEAM, NODES) if width > 1 else (1, 0)
+    beam, nodes = (BEAM, NODES) if width > 1 and BEAM > 1 else (1, 0)
+    if beam > 1:
+        k = min(k, TREE_DEPTH)
     return Plan(budget, R, embed, E, k, _memory(s, R, embed, max_ctx), t_full, t_draft,
                 a, rate, 1.0 / t_full if t_full else math.inf,
                 t_draft / t_full if t_full else 0.0, width, draft, tail, layer_set,
