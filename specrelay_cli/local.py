@@ -70,7 +70,9 @@ def run_local(prompt: str, kw: dict) -> None:
     p = sess.plan
     click.echo(text)
     click.echo(f"-- local {sess.method}: R={p.resident_layers}/{sess.local.target.num_layers} "
-               f"resident, {_draft_label(p)}, depth {sess.depth or p.depth}, budget "
+               f"resident, {_draft_label(p)}, depth {sess.depth or p.depth}"
+               + (f" (trees {res['local']['beam']}x{res['local']['nodes']})"
+                  if res["local"].get("beam", 1) > 1 else "") + ", budget "
                f"{p.budget / 1e9:.2f} GB (plan {p.memory / 1e9:.2f} GB), storage "
                f"{kw['storage']}", err=True)
     m = res["metrics"]

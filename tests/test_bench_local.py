@@ -41,3 +41,28 @@ def test_local_bench_end_to_end(tmp_path, monkeypatch):
     assert "mem1.2MB-1MB/s" in (out / "summary.md").read_text()
     cats = next(x for x in r["runs"] if x["mode"] == "cats")
     assert cats["local"]["plan"]["draft"] == "skip" and cats["local"]["exit_head"].startswith("skip-")
+
+
+def test_generate_local_with_trees_matches_the_target_alone(tmp_path, monkeypatch):
+    """``specrelay generate --local`` on the tiny checkpoint: the plan drafts dynamic
+    trees at this budget and storage (a draft token is far under 10 % of the streamed
+    pass), the stderr line names them, and the tokens are the offloaded target's alone
+    (``--local-method ar``), greedy."""
+    monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tiny"
+    tiny_model(layers=4, seed=2).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    from specrelay_cli import main
+
+    base = ["generate", "def f(x):", "--local", "--memory-budget", BUDGET, "--storage",
+            STORAGE, "--local-target", str(folder), "--max-new-tokens", "12"]
+    runs = {}
+    for method in ("cats", "ar"):
+        res = CliRunner().invoke(main, base + ["--local-method", method, "--json"])
+        assert res.exit_code == 0, res.output
+        runs[method] = json.loads(res.output.strip().splitlines()[-1])
+    assert runs["cats"]["local"]["beam"] > 1 and runs["cats"]["local"]["nodes"] > 1
+    assert runs["cats"]["token_ids"] == runs["ar"]["token_ids"]
+    assert runs["cats"]["metrics"]["rounds"] < runs["ar"]["metrics"]["rounds"]
+    res = CliRunner().invoke(main, base)
+    assert res.exit_code == 0 and "(trees " in res.output, res.output
