@@ -98,15 +98,15 @@ def test_greedy_identity_with_partial_acceptance(tmp_path, model):
 
 @pytest.mark.parametrize("layer_set", [None, (0, 2, 3, 5), (0, 1, 3)])
 def test_every_round_leaves_the_targets_own_cache(tmp_path, model, layer_set):
-    """Round by round (chain and siblings): every layer holds the confirmed prefix minus
+    """Round by round (chain, siblings, a dynamic tree): every layer holds the confirmed prefix minus
     its last token, with the keys/values a fresh full prefill of it computes (the tail
     layers' draft-only entries are dropped and rewritten by the verification pass);
     the streamed layers run once per round."""
     t = _target(tmp_path, model, 4, 2) if layer_set is None else \
         _target(tmp_path, model, 0, 0, layer_set)
     ref = _target(tmp_path, model, 6, 0)
-    for width in (1, 4):
-        dec = CatsDecoder(t, SkipDraft(t, None), 4, width=width)
+    for kw in ({"width": 1}, {"width": 4}, {"beam": 3, "nodes": 12}):   # chain, siblings, tree
+        dec = CatsDecoder(t, SkipDraft(t, None), 4, **kw)
         ids = list(PROMPT)
         _prefill(t, ids)
         for _ in range(8):

@@ -4,7 +4,8 @@ token for token with the exit head and with the layer-skipping draft (contiguous
 searched resident sets), over rounds that accept part of the tree and rounds that
 follow a branch off the draft's top-1 chain (CASES.md 1, 11); after every round every
 layer's cache holds exactly the keys/values a fresh prefill of the confirmed prefix
-minus its last token computes, the streamed layers run once (CASES.md 7); a sampled
+minus its last token computes, the streamed layers run once (CASES.md 7; in
+``test_cats_skip.py``, beside the chain and the siblings); a sampled
 config never takes the tree path (CASES.md 3-5 stay the chain's)."""
 
 from __future__ import annotations
@@ -91,28 +92,6 @@ def test_greedy_identity_with_trees(tmp_path, model):
                 off += st.sibling_hits
                 deep += sum(a >= 2 for a in st.accepted_per_round)
     assert off > 0 and deep > 0
-
-
-@pytest.mark.parametrize("layer_set", [None, (0, 2, 3, 5)])
-def test_every_tree_round_leaves_the_targets_own_cache(tmp_path, model, layer_set):
-    t = _target(tmp_path, model, 4, 2) if layer_set is None else \
-        _target(tmp_path, model, 0, 0, layer_set)
-    ref = _target(tmp_path, model, 6, 0)
-    dec = CatsDecoder(t, SkipDraft(t, None), 4, beam=3, nodes=12)
-    ids = list(PROMPT)
-    _prefill(t, ids)
-    for _ in range(8):
-        n0 = t.streamed_passes
-        new, g, a = dec.round(ids, 4, S.SamplingConfig(), 0)
-        assert t.streamed_passes - n0 == 1 and len(new) == a + 1 and 1 <= g <= 4
-        ids += new
-        t.crop(len(ids) - 1)
-        assert all(t.cache_len(i) == len(ids) - 1 for i in range(6))
-        _prefill(ref, ids)
-        for i in range(6):
-            a_, b_ = t.cache.layers[i], ref.cache.layers[i]
-            torch.testing.assert_close(a_.keys, b_.keys, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(a_.values, b_.values, rtol=1e-4, atol=1e-4)
 
 
 def test_the_tree_follows_an_oracle_draft_all_the_way(tmp_path, model):
