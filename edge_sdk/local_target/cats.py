@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edge_sdk.exit_head import ExitHead
+from edge_sdk.local_target.budget import NODES
 from edge_sdk.local_target.dyntree import greedy_path, rerank, rows_mask, top_children
 from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
@@ -192,7 +193,7 @@ class CatsDecoder:
 
     def __init__(self, target: OffloadedTarget, head, depth: int,
                  gate: float = 0.0, width: int = 1, siblings=tree_siblings,
-                 beam: int = 1, nodes: int = 24):
+                 beam: int = 1, nodes: int = NODES):
         draft = ExitDraft(target, head) if isinstance(head, ExitHead) else head
         if not 1 <= depth <= 8:
             raise ValueError(f"depth {depth} outside 1..8")
