@@ -42,13 +42,21 @@ class LocalSession:
     def plan(self):
         return self.local.plan
 
-    def decoder(self) -> CatsDecoder:
-        """The CATS decoder of the plan (depth override: :attr:`depth`)."""
+    def tree(self) -> tuple[int, int]:
+        """``(beam, nodes)`` of the draft trees in use: the overrides, else the plan's
+        (beam 1: chains, nodes 0)."""
         p = self.local.plan
+        beam = max(1, p.beam if self.beam is None else self.beam)
+        return beam, (self.nodes or p.nodes or 1) if beam > 1 else 0
+
+    def decoder(self) -> CatsDecoder:
+        """The CATS decoder of the plan (overrides: :attr:`depth`, :attr:`width`,
+        :meth:`tree`)."""
+        p = self.local.plan
+        beam, nodes = self.tree()
         return CatsDecoder(self.local.target, self.local.head, self.depth or p.depth, p.gate,
                            p.width if self.width is None else self.width,
-                           beam=p.beam if self.beam is None else self.beam,
-                           nodes=(self.nodes or p.nodes or 1))
+                           beam=beam, nodes=max(1, nodes))
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int,
                  cfg: SamplingConfig = SamplingConfig(), seed: int = 0
@@ -101,9 +109,7 @@ class LocalSession:
     def describe(self) -> dict:
         """The plan, the measured resident bytes, the storage profile and the draft
         tree actually used (``beam``, ``nodes``; beam 1: chains) (JSON-able)."""
-        t, p = self.local.target, self.plan
-        beam = max(1, p.beam if self.beam is None else self.beam)
-        nodes = (self.nodes or p.nodes or 1) if beam > 1 else 0
+        t, (beam, nodes) = self.local.target, self.tree()
         return {"plan": self.plan.to_dict(), "resident_bytes": t.resident_bytes(),
                 "storage": t.storage.profile.name,
                 "storage_bytes_per_s": t.storage.profile.bytes_per_s,
