@@ -316,7 +316,7 @@ class CatsDecoder:
         mask[0, 0, 1:] = rows_mask(par, sel, [-1], P)[0, 0]
         x = torch.stack([h_of[n] for n in [-1] + sel])[None]
         h = t.run_layers(x, self.E, t.num_layers, pos, mask)
-        path, nxt = greedy_path(S.greedy_token(t.logits(h)), toks, par, sel)
+        path, nxt = greedy_path(t.greedy(h), toks, par, sel)
         t.keep(P + 1, [P + r for r in path])
         self.sibling_hits += sum(rank[sel[r - 1]] > 0 for r in path)
         return [toks[sel[r - 1]] for r in path] + [nxt], max(dep[n] for n in sel), len(path)

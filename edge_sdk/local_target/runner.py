@@ -43,6 +43,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from edge_sdk.local_target.head import PackedHead, packed_nbytes
 from edge_sdk.local_target.storage import Storage
 from edge_sdk.packed import PackedLinear, pack_linears, packing_supported
+from edge_sdk.protocol import sampling as S
 
 __all__ = ["OffloadedTarget"]
 
@@ -252,6 +253,13 @@ class OffloadedTarget:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of the last layer's output [1, q, H] -> float32 [q, V]."""
         return self.model.lm_head(self.model.model.norm(h))[0].float()
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of the last layer's output [1, q, H] -> int64 [q]: the argmax
+        of :meth:`logits` (the same values, so the same ids and ties) taken on the
+        head's own dtype, with no float32 copy of the [q, V] logits (a draft tree's
+        verification pass has up to 1 + nodes rows)."""
+        return S.greedy_token(self.model.lm_head(self.model.model.norm(h))[0])
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         """A full pass over new tokens ``ids`` [q] (all layers continue one cache
