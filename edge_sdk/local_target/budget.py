@@ -51,19 +51,10 @@ draft's path confidence) whenever the plan drafts and their one extra resident p
 costs under 10 % of ``t_full`` (streamed bytes dominate, so the wider pass is nearly
 free); each hit adds one token to the round. No measured top-w coverage enters the model: the
 bench reports the sibling hit rate. On the same condition the plan drafts greedy blocks
-as a dynamic tree instead (:mod:`.dyntree`, EAGLE-2): ``beam`` nodes expanded per level,
-each with its ``beam`` most likely children, the best ``nodes`` verified. The shape is
-priced, not fixed (Sequoia, Chen et al. 2024, §3: the tree that maximises tokens per
-second for the hardware's cost of a wider pass): among :data:`TREE_SHAPES` (measured
-tokens per pass ``T0`` at the reference draft), the plan takes the best
-
-    rate    = T / (t_full + N * t_row + D * t_draft + (D - 1) * (B - 1) * t_drow)
-    T       = 1 + (T0 - 1) * g_D(a) / g_D(a_ref),   g_D(x) = sum_{j=1..D} x^j
-
-(``t_row``, ``t_drow``: one more row of the full pass and of the draft pass,
-:data:`ROW_BW`; ``a`` the draft's per-token agreement, ``a_ref`` the reference
-draft's) whose logits fit the budget: a slow stream (eMMC) buys deeper and wider
-trees, a fast one keeps them small.
+as a dynamic tree instead (:mod:`.dyntree`, EAGLE-2): ``BEAM`` nodes expanded per depth,
+each with its ``BEAM`` most likely children, the best ``NODES`` verified; each level
+costs one resident pass over ``BEAM`` rows, about a one-token pass while the resident
+weights' bytes dominate, and the full pass stays one streamed pass.
 """
 
 from __future__ import annotations
@@ -73,7 +64,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "SKIP_SETS", "agreement",
            "skip_agreement", "skip_split", "skip_layers", "draft_label", "plan", "parse_bytes", "MEM_BW", "MEM_BW_PACKED", "MAX_DEPTH",
-           "WIDTH", "NODES", "ROW_BW", "TREE_SHAPES"]
+           "WIDTH", "BEAM", "NODES", "TREE_DEPTH"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
 """Exit layer (of 28) -> tuned exit-head top-1 agreement with the final layer on
@@ -113,34 +104,21 @@ draft's token at R = 12 (2 + 10) 51.5 ms against 102.6 ms dense."""
 
 MAX_DEPTH = 8
 WIDTH = 8
+BEAM = 4
 NODES = 16
-"""The verified nodes of a draft tree when only its beam is given
-(:class:`~edge_sdk.local_target.cats.CatsDecoder`'s default)."""
-
-ROW_BW = 5.5e11
-"""Weight bytes per second of each row a pass carries beyond its first (the compute
-that grows with the rows: AVX-512-BF16 / AMX tiles over the packed weight): one
-thread, bf16, ``torch.ops.mkldnn._linear_pointwise`` on an 8960 x 1536 weight 0.60 ms
-for 1 row, 0.92 for 7 (5.2e11), the 151936 x 1536 head 13.7 / 18.3 ms (6.1e11); a
-Qwen2.5-Coder-1.5B layer 4.4 / 5.5 ms for 1 / 8 tokens (6.0e11). A tree of ``N``
-verified nodes adds ``N * (L * W_layer + W_head) / ROW_BW`` to the full pass (5.6 ms a
-node for the 1.5B target)."""
-
-TREE_SHAPES: dict[tuple[int, int, int], float] = {
-    (4, 4, 16): 3.21, (5, 6, 32): 3.57, (6, 4, 32): 3.56, (8, 4, 32): 3.56,
-    (6, 6, 48): 3.88, (6, 8, 64): 4.17, (8, 8, 64): 4.34,
-}
-"""Draft-tree shapes ``(depth, beam, nodes)`` (:mod:`.dyntree`, EAGLE-2: ``depth``
-levels, the ``beam`` most confident nodes of each level expanded with their ``beam``
-most likely children, the best ``nodes`` verified) -> tokens per full pass, the mean
-of HumanEval and MT-Bench prompts 4..7 x 32 greedy tokens with the skip draft of
-:data:`TREE_REF_R` resident layers (50 % budget, emmc: ``python -m
-bench.probes.cats_tree --budget 0.5 --storage emmc --prompts 2 --offset 4 --configs
-...``, docs/figures/cats/treeshape). The plan prices each shape (:func:`_tree_rate`)
-and drafts the one of the best rate that fits the budget."""
-
-TREE_REF_R = 12
-"""Resident layers (of 28) of the skip draft :data:`TREE_SHAPES` was measured with."""
+TREE_DEPTH = 4
+"""The dynamic tree of a plan that drafts cheaply (``width`` > 1): ``BEAM`` nodes
+expanded per level, ``NODES`` verified, at most ``TREE_DEPTH`` levels. Chosen with
+``python -m bench.probes.cats_tree --offset 4`` (HumanEval/MT-Bench prompts 4..7, 32
+greedy tokens, 50 % budget, nvme) among 4x16 at depths 4 and 5, 4x12, 3x12 and the
+chain of depth 5 with 7 siblings: 4 levels x 4 x 16 nodes 2.50 / 2.34 tok/s against the
+chain's 2.30 / 2.12 (3.37 / 3.12 tokens per pass against 3.12 / 2.98, the same 1.35 s
+per round); docs/figures/cats/tree. On emmc too (a 3.9 s streamed pass, where a dearer
+tree costs less in proportion) the shape stays: 8 levels x 8 x 64 nodes, best of seven
+shapes on prompts 4..7 (3.76 / 4.92 tokens per pass against 3.05 / 3.37), on the
+held-out first 4 gains 10 % tokens per pass (3.05 / 3.37 against 2.78 / 3.05) and loses
+8 % tok/s (0.58 / 0.63 against 0.63 / 0.68): each more verified node costs ~8 ms here,
+not the ~5 ms of its weight compute alone; docs/figures/cats/treeshape."""
 
 
 def parse_bytes(text: str | int | float, total: int | None = None) -> int:
@@ -378,30 +356,10 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     tail = R - skip_split(R, s.layers) if draft == "skip" and not searched else 0
     layer_set = skip_layers(R, s.layers) if searched else ()
     width = WIDTH if k and t_draft < 0.1 * t_full else 1
-    beam, nodes = 1, 0
-    if width > 1:
-        d_bytes = (len(layer_set) or R if draft == "skip" else E) * s.layer + sub
-        fits = [sh for sh in TREE_SHAPES
-                if _memory(s, R, embed, max_ctx, sh[2]) <= budget]
-        if fits:
-            rate, (k, beam, nodes) = max(
-                (_tree_rate(s, sh, t_full, t_draft, d_bytes, a), sh) for sh in fits)
+    beam, nodes = (BEAM, NODES) if width > 1 and BEAM > 1 else (1, 0)
+    if beam > 1:
+        k = min(k, TREE_DEPTH)
     return Plan(budget, R, embed, E, k, _memory(s, R, embed, max_ctx, nodes), t_full, t_draft,
                 a, rate, 1.0 / t_full if t_full else math.inf,
                 t_draft / t_full if t_full else 0.0, width, draft, tail, layer_set,
                 beam, nodes)
-
-
-def _tree_rate(s: Sizes, shape: tuple[int, int, int], t_full: float, t_draft: float,
-               draft_bytes: int, a: float) -> float:
-    """Predicted tokens/s of draft trees of ``shape`` = (depth D, beam B, nodes N)
-    (module doc): ``T`` tokens per round of one full pass over ``1 + N`` rows, one
-    draft pass for the root and ``D - 1`` over ``B`` rows each; ``draft_bytes``: the
-    weight bytes of one draft pass, ``a`` its per-token agreement."""
-    D, B, N = shape
-    t_row = (s.layers * s.layer + s.head) / ROW_BW
-    t = t_full + N * t_row + D * t_draft + (D - 1) * (B - 1) * draft_bytes / ROW_BW
-    ref = skip_agreement(TREE_REF_R, 28)
-    g = lambda x: sum(x ** j for j in range(1, D + 1))              # noqa: E731
-    tokens = min(D + 1.0, 1.0 + (TREE_SHAPES[shape] - 1.0) * g(a) / g(ref))
-    return tokens / t
