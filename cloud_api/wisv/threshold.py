@@ -13,7 +13,9 @@ as ``bad_delay_s`` or worse gets ``relaxed``. With the defaults: strong (20 ms) 
 medium (40 ms) 0.83, weak (80 ms) 0.67, cellular-edge (120 ms) 0.57 (``relaxed`` 0.35,
 chosen on executed HumanEval: at depth 12 with 4 semantic acceptances per block it
 lengthens the accepted run 1.26x / 1.33x on weak / cellular-edge at no measured pass@1
-loss on 40 problems; 0.50 gave 1.18x / 1.24x with at most 2 per block).
+loss on 40 problems; 0.50 gave 1.18x / 1.24x with at most 2 per block). The gain grows
+with the draft depth: at depth 16 the same thresholds give 1.38x / 1.43x on 100 problems,
+pass@1 -3 points (95 % CI [-12, +6]).
 """
 
 from __future__ import annotations
