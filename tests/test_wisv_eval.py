@@ -285,3 +285,6 @@ def test_cli_help_states_the_library_defaults():
     assert f"[default: the server's, {DEFAULT_MAX_PER_BLOCK}]" in ev["max_per_block"].help
     assert f"[default: {policy.strict:g}]" in ev["strict"].help
     assert f"[default: {policy.relaxed:g}]" in ev["relaxed"].help
+    from bench.wisv_eval import EvalConfig
+
+    assert ev["depth"].default == EvalConfig().depth
