@@ -229,6 +229,25 @@ def _mode_block(recs: list[dict], run_metrics: dict | None) -> dict:
             "semantic_accepted_tokens": int(tot("semantic_accepted_tokens"))}
 
 
+EARLY_TOKENS = 4      # outputs that part within this many tokens took another first statement
+
+
+def _pass_by_parting(ag: dict, pe: dict, ps: dict, early: int = EARLY_TOKENS) -> dict:
+    """Pass counts of the two modes, grouped by where their outputs part: ``identical``,
+    ``early`` (common prefix < ``early`` tokens: a different first statement, which
+    changes the whole program) and ``late``. ``ag``: prompt id -> :func:`_agreement`;
+    ``pe``/``ps``: prompt id -> passed, exact / semantic."""
+    out = {g: {"problems": 0, "passed_exact": 0, "passed_semantic": 0}
+           for g in ("identical", "early", "late")}
+    for pid, a in ag.items():
+        g = out["identical" if a["identical"] else
+                "early" if a["common_prefix"] < early else "late"]
+        g["problems"] += 1
+        g["passed_exact"] += int(pe[pid])
+        g["passed_semantic"] += int(ps[pid])
+    return out
+
+
 def _agreement(a: list[int], b: list[int]) -> dict:
     """How far two token lists agree: common prefix length and identical flag."""
     k = 0
@@ -260,17 +279,20 @@ def summarize(records: list[dict], runs: list[dict], passed: dict, profiles: Seq
                 continue
             blk = {mode: _mode_block(recs[mode], run_m.get((mode, prof, w)))
                    for mode in (EXACT, SEMANTIC)}
+            ex = {r["prompt_id"]: r["token_ids"] for r in recs[EXACT]}
+            ag = {r["prompt_id"]: _agreement(ex[r["prompt_id"]], r["token_ids"])
+                  for r in recs[SEMANTIC] if r["prompt_id"] in ex}
             if w == "humaneval":
                 ids = [r["prompt_id"] for r in recs[EXACT]]
-                pe = [passed[(EXACT, prof, i)] for i in ids]
-                ps = [passed[(SEMANTIC, prof, i)] for i in ids]
-                blk["stats"] = paired_stats(pe, ps, seed=seed)
-            ex = {r["prompt_id"]: r["token_ids"] for r in recs[EXACT]}
-            ag = [_agreement(ex[r["prompt_id"]], r["token_ids"]) for r in recs[SEMANTIC]
-                  if r["prompt_id"] in ex]
-            blk["outputs_identical"] = sum(a["identical"] for a in ag)
-            blk["mean_common_prefix_tokens"] = (round(sum(a["common_prefix"] for a in ag)
-                                                      / len(ag), 1) if ag else None)
+                pe = {i: passed[(EXACT, prof, i)] for i in ids}
+                ps = {i: passed[(SEMANTIC, prof, i)] for i in ids}
+                blk["stats"] = paired_stats(list(pe.values()), [ps[i] for i in ids],
+                                            seed=seed)
+                blk["stats"]["by_parting"] = _pass_by_parting(ag, pe, ps)
+            blk["outputs_identical"] = sum(a["identical"] for a in ag.values())
+            blk["mean_common_prefix_tokens"] = (round(sum(a["common_prefix"] for a in
+                                                          ag.values()) / len(ag), 1)
+                                                if ag else None)
             row[w] = blk
         by[prof] = row
     main = by[profiles[0]]

@@ -218,11 +218,11 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
               help="HumanEval token budget per problem [default: 384; --quick: 192].")
 @click.option("--chat-tokens", default=None, type=click.IntRange(1),
               help="MT-Bench tokens per question [default: 128; --quick: 48].")
-@click.option("--depth", default=16, type=click.IntRange(1, MAX_DRAFT_TOKENS),
+@click.option("--depth", default=None, type=click.IntRange(1, MAX_DRAFT_TOKENS),
               help="Draft depth (tokens per block) of both modes: semantic acceptance "
               "lets a block run past the draft's first wrong token, so deep blocks "
               "show its gain on a bad link (100 problems at 16: 1.38x / 1.43x the "
-              "exact accepted length on weak / cellular-edge).")
+              "exact accepted length on weak / cellular-edge) [default: 16].")
 @click.option("--head", default="auto", metavar="auto|PATH",
               help="Decision head the server loads (as `serve --wisv-head`).")
 @click.option("--max-per-block", default=None, type=click.IntRange(1, MAX_DRAFT_TOKENS),

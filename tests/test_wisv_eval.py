@@ -134,7 +134,22 @@ def test_summary_from_bench_records():
     assert s["rounds_per_100_tokens_exact"] == 50.0 and s["rounds_per_token_change"] == -0.5
     he = rep["by_profile"]["weak"]["humaneval"]
     assert he["outputs_identical"] == 0 and he["mean_common_prefix_tokens"] == 2
+    # every pair parts at token 2 (< EARLY_TOKENS): a different first statement
+    assert he["stats"]["by_parting"] == {
+        "identical": {"problems": 0, "passed_exact": 0, "passed_semantic": 0},
+        "early": {"problems": 4, "passed_exact": 4, "passed_semantic": 3},
+        "late": {"problems": 0, "passed_exact": 0, "passed_semantic": 0}}
     assert he[W.EXACT]["uplink_bytes"] == 400
+
+
+def test_pass_counts_by_where_the_outputs_part():
+    ag = {"a": W._agreement([1, 2, 3], [1, 2, 3]), "b": W._agreement([1, 2, 3, 4, 5], [1, 9]),
+          "c": W._agreement([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7])}
+    pe, ps = {"a": True, "b": True, "c": False}, {"a": True, "b": False, "c": True}
+    got = W._pass_by_parting(ag, pe, ps, early=4)
+    assert got["identical"] == {"problems": 1, "passed_exact": 1, "passed_semantic": 1}
+    assert got["early"] == {"problems": 1, "passed_exact": 1, "passed_semantic": 0}
+    assert got["late"] == {"problems": 1, "passed_exact": 0, "passed_semantic": 1}
 
 
 def test_rebuild_report_from_a_run_folder(tmp_path):
@@ -206,6 +221,8 @@ def test_eval_cli_passes_the_cap_and_thresholds_to_the_server():
     assert kw["wisv_max_per_block"] == 4 and kw["wisv_relaxed"] == 0.4
     assert kw["wisv_strict"] is None
     assert set(kw) <= set(OPTION_KEYS)
+    deep = W._bench_config(W.EvalConfig.preset(True, depth=None), {"humaneval": [object()]})
+    assert deep.depth == W.EvalConfig().depth == 16       # the CLI's unset --depth
     r = CliRunner().invoke(wisv, ["eval", "--quick", "--relaxed", "0.95"])
     assert r.exit_code == 2 and "relaxed <= strict" in r.output
 
@@ -285,6 +302,4 @@ def test_cli_help_states_the_library_defaults():
     assert f"[default: the server's, {DEFAULT_MAX_PER_BLOCK}]" in ev["max_per_block"].help
     assert f"[default: {policy.strict:g}]" in ev["strict"].help
     assert f"[default: {policy.relaxed:g}]" in ev["relaxed"].help
-    from bench.wisv_eval import EvalConfig
-
-    assert ev["depth"].default == EvalConfig().depth
+    assert f"[default: {W.EvalConfig().depth}]" in ev["depth"].help
