@@ -19,6 +19,7 @@ from edge_sdk import correction as C
 from edge_sdk.channel import ChannelEstimator
 from edge_sdk.control import DepthController, FixedDepth, make_controller
 from edge_sdk.control.siblings import SiblingPolicy
+from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
@@ -40,7 +41,8 @@ class EdgeClient:
         drafter: a :class:`Drafter` (None allows only ``target_only`` generation).
         tokenizer: shared by draft and target (checked by fingerprint at session create).
         depth: draft depth per block when no ``controller`` is given (fixed; clamped
-            to 1..max_block of the server and to the tokens left).
+            to 1..max_block of the server and to the tokens left). Default
+            :data:`edge_sdk.defaults.DEFAULT_DEPTH` (6).
         mode: ``asym`` (token, q pairs on the uplink; staged correction) or ``standard``
             (baseline: full q per position uploaded, cloud draws corrections).
         eps_req: request TV budget for bounded corrections (0 = exact).
@@ -62,7 +64,8 @@ class EdgeClient:
             the pair, not the request; a short request would otherwise spend most of
             its rounds warming up). False: every request starts cold. Depth only:
             the output is the target's either way.
-        proactive: ``off`` (stop-and-wait), ``ipdg`` (RAPID's interruptible proactive
+        proactive: default ``ipdg`` (:data:`edge_sdk.defaults.DEFAULT_PROACTIVE`).
+            ``off`` (stop-and-wait), ``ipdg`` (RAPID's interruptible proactive
             drafting: draft the next block while the current one is verified, stop at the
             first expansion step after the verdict), ``npdg`` (the non-interruptible
             baseline), ``fsd`` (the FSD review: draft the next block from the early
@@ -73,7 +76,8 @@ class EdgeClient:
             confirmed-prefix grants (they draft a descendant of an unresolved block).
         proactive_roots: b, the number of guessed bonus tokens (b > 1: a tree of b
             branches, each on its own drafter fork).
-        send_ahead: pipelined verification (needs ``proactive``; chains only, b = 1):
+        send_ahead: pipelined verification (needs ``proactive``; chains only, b = 1;
+            None, the default: on unless ``proactive="off"``):
             a proactive block completed while the previous block is still in flight is
             sent at once, marked with its assumed bonus (``expect_last``), so the cloud
             verifies it right after the previous block instead of one network round
@@ -120,13 +124,13 @@ class EdgeClient:
             network profile; None: measured (:class:`edge_sdk.channel.ChannelEstimator`).
     """
 
-    def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = 4,
+    def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = DEFAULT_DEPTH,
                  mode: str = "asym", eps_req: float = 0.0, correction: str = "auto",
                  support_k: int = 32, n_proposals: int = 4, signer=None, chat: bool = True,
                  transport: Transport | None = None, scheduler: DraftScheduler | None = None,
                  controller: str | DepthController | None = None,
-                 controller_kw: dict | None = None, proactive: str = "off",
-                 proactive_roots: int = 1, send_ahead: bool = False,
+                 controller_kw: dict | None = None, proactive: str = DEFAULT_PROACTIVE,
+                 proactive_roots: int = 1, send_ahead: bool | None = None,
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
                  ssl_context=None, local_target=None, acceptance: str = "exact",
@@ -143,6 +147,8 @@ class EdgeClient:
             raise ValueError(f"proactive must be one of {PROACTIVE_MODES}")
         if not 1 <= int(proactive_roots) <= MAX_PROACTIVE_ROOTS:
             raise ValueError(f"proactive_roots must be in 1..{MAX_PROACTIVE_ROOTS}")
+        if send_ahead is None:                      # default: on with proactive drafting
+            send_ahead = proactive != "off"
         if send_ahead and proactive == "off":
             raise ValueError("send_ahead needs proactive='ipdg', 'npdg', 'fsd' or "
                              "'fsd+ipdg'")

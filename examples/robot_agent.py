@@ -39,6 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):            # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from edge_sdk.defaults import DEFAULT_DEPTH  # noqa: E402
 from examples._common import (  # noqa: E402
     OFFLINE_TIMEOUT_S, backend, check_server, load_draft, run_main,
 )
@@ -315,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="qwen2.5-coder-1.5b",
                    help="in-process target model (smollm2-135m: the small pair)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
-    p.add_argument("--depth", type=int, default=3, help="draft depth (tokens per block)")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+                   help="draft depth (tokens per block); the SDK's default policy also "
+                   "drafts the next block while one is verified (IPDG + send-ahead)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (the draft and an in-process target share them; "
                         "0 = torch's default)")

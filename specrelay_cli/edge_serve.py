@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
 from specrelay_cli.options import make_drafter
 
@@ -68,7 +69,7 @@ def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
 @click.option("--draft", default=None, help="Draft model (default: the demo draft).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
-@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6, show_default=True,
+@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH, show_default=True,
               help="Draft depth (tokens per block).")
 @click.option("--model-name", default="specrelay", show_default=True,
               help="The model name reported to OpenAI clients.")
@@ -79,7 +80,7 @@ def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
               help="wait: retry until the cloud is back (never unverified tokens); "
                    "draft_only: continue with the draft, tokens flagged verified=false.")
 @click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg", "fsd", "fsd+ipdg"]),
-              default="ipdg", show_default=True,
+              default=DEFAULT_PROACTIVE, show_default=True,
               help="Draft the next block while one is verified (off: stop-and-wait; "
                    "fsd, fsd+ipdg: from the cloud's early verdict).")
 @click.option("--send-ahead/--no-send-ahead", default=True, show_default=True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS, MAX_SIBLINGS
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
@@ -65,7 +66,7 @@ SAMPLING_OPTIONS = [
     click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=5.0,
                  show_default=True, help="Seconds to keep retrying an unreachable API "
                  "before giving up."),
-    click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=6,
+    click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH,
                  show_default=True, help="Draft depth (tokens per block). 6 is the best "
                  "depth across chat and code for the default pair (README headline "
                  "bench); 12 is faster on code only."),
@@ -74,7 +75,7 @@ SAMPLING_OPTIONS = [
                  default="fixed", show_default=True,
                  help="Draft-depth policy (RAPID; UCB-SpecStop); fixed uses --depth."),
     click.option("--proactive", type=click.Choice(["off", "ipdg", "npdg", "fsd", "fsd+ipdg"]),
-                 default="ipdg", show_default=True, help="Draft the next block while "
+                 default=DEFAULT_PROACTIVE, show_default=True, help="Draft the next block while "
                  "one is verified (RAPID): ipdg interruptible, npdg not, off: "
                  "stop-and-wait; fsd: from the early verdict the server streams (FSD; a "
                  "server with --early-exit), fsd+ipdg: IPDG steered by it."),

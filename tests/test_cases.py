@@ -43,6 +43,9 @@ def generate(url, drafter, tok, *, events: list | None = None, **kw):
     ckw = {k: kw.pop(k) for k in ("depth", "mode", "correction", "support_k",
                                   "n_proposals", "transport", "proactive",
                                   "send_ahead") if k in kw}
+    # these cases check the stop-and-wait round (one block per verdict); the proactive
+    # and pipelined paths, the SDK's default, have their own tests (test_proactive.py)
+    ckw.setdefault("proactive", "off")
     kw.setdefault("prompt_ids", PROMPT)
 
     async def go():

@@ -82,6 +82,11 @@ def reference(svc, tok):
 
 def generate(svc, drafter, tok, delay_s=0.002, n=40, prompt=PROMPT, **kw):
     gen_kw = {k: kw.pop(k) for k in ("sampling", "seed") if k in kw}
+    # each test names the policy it checks: stop-and-wait at depth 4, no send-ahead
+    # unless asked (the SDK's defaults are checked on their own below)
+    kw.setdefault("depth", 4)
+    kw.setdefault("proactive", "off")
+    kw.setdefault("send_ahead", False)
 
     trace: list[dict] = []
 
@@ -371,9 +376,31 @@ def test_send_ahead_stale_block_changes_nothing(target, tok):
     asyncio.run(main())
 
 
+def test_sdk_defaults_are_the_benchmarked_policy(svc, tok, close_draft, reference):
+    """An app that names no policy drafts as the benchmark's fastest single-request mode
+    (sr-ahead@6: depth 6, IPDG, blocks sent ahead) and still commits the target's greedy
+    output; proactive="off" turns send-ahead off with it."""
+    from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
+
+    c = EdgeClient("inproc://", None, tok)
+    assert (c.depth, c.proactive, c.send_ahead) == (DEFAULT_DEPTH, DEFAULT_PROACTIVE, True)
+    assert (DEFAULT_DEPTH, DEFAULT_PROACTIVE) == (6, "ipdg")
+    assert EdgeClient("inproc://", None, tok, proactive="off").send_ahead is False
+
+    async def main():
+        async with EdgeClient("inproc://", TorchDrafter(close_draft), tok, chat=False,
+                              transport=SlowTransport(svc(), 0.03)) as client:
+            return await client.generate(prompt_ids=PROMPT, max_new_tokens=40)
+    out = asyncio.run(main())
+    assert out.token_ids == reference
+    m = out.metrics
+    assert set(m["depth_hist"]) <= set(range(DEFAULT_DEPTH + 1))
+    assert m["proactive_rounds"] > 0 and m["ahead_blocks"] > 0
+
+
 def test_send_ahead_needs_proactive(tok):
     with pytest.raises(ValueError, match="send_ahead"):
-        EdgeClient("inproc://", None, tok, send_ahead=True)
+        EdgeClient("inproc://", None, tok, proactive="off", send_ahead=True)
 
 
 def test_on_round_hook_gets_one_record_per_round(svc, tok, close_draft):

@@ -38,9 +38,9 @@ from bench.chaos.score import Row, RunOutcome
 __all__ = ["CLIENT_MODES", "ChaosSettings", "Server", "run_matrix", "references",
            "run_fault"]
 
-CLIENT_MODES = {"stop-and-wait": {},
+CLIENT_MODES = {"stop-and-wait": {"proactive": "off"},
                 "ipdg+ahead": {"proactive": "ipdg", "send_ahead": True},
-                "pipeline-8": {}}
+                "pipeline-8": {"proactive": "off"}}
 PIPELINE = 8
 
 

@@ -36,7 +36,8 @@ class EdgeClientMode(BenchMode):
         from edge_sdk.control import make_controller
 
         c = self.ctx
-        kw = {**self.client_kw, **c.options.get("client", {})}
+        # a mode that names no proactive drafting is stop-and-wait (not the SDK default)
+        kw = {"proactive": "off", **self.client_kw, **c.options.get("client", {})}
         if self.link_from_profile:        # the channel state a semantic session reports
             kw.setdefault("link", c.profile)
         if isinstance(kw.get("controller"), str) and kw["controller"] != "fixed":

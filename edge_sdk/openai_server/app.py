@@ -11,6 +11,7 @@ from typing import Callable
 from aiohttp import web
 
 from edge_sdk.client import EdgeClient
+from edge_sdk.defaults import DEFAULT_DEPTH
 from edge_sdk.openai_server.request import (BadRequest, parse_chat_request,
                                             parse_completion_request)
 from edge_sdk.openai_server.responses import Envelope, Run, error_response, upstream_error
@@ -149,7 +150,7 @@ def create_openai_app(client_factory: Callable[[], EdgeClient], *,
     return app
 
 
-def create_edge_app(url: str, drafter, tokenizer, *, signer=None, depth: int = 4,
+def create_edge_app(url: str, drafter, tokenizer, *, signer=None, depth: int = DEFAULT_DEPTH,
                     model_name: str = "specrelay", default_max_tokens: int = 256,
                     **client_kw) -> web.Application:
     """:func:`create_openai_app` for ``EdgeClient(url, drafter, tokenizer, ...)``."""
