@@ -63,7 +63,8 @@ def _cpus(value: str | None) -> list[int] | None:
               help=f"Tokens generated per request [default: {_DEFAULTS['max_new_tokens']}].")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Prompt selection and per-request sampling seeds.")
-@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH, show_default=True,
+@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH,
+              show_default=True,
               help="Draft depth for fixed-depth modes (tokens per block).")
 @click.option("--siblings", type=click.IntRange(1, 4), default=None,
               help="Sibling width of the sr-tree mode (the draft's next-best tokens per "

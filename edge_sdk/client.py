@@ -124,7 +124,8 @@ class EdgeClient:
             network profile; None: measured (:class:`edge_sdk.channel.ChannelEstimator`).
     """
 
-    def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *, depth: int = DEFAULT_DEPTH,
+    def __init__(self, base_url: str, drafter: Drafter | None, tokenizer, *,
+                 depth: int = DEFAULT_DEPTH,
                  mode: str = "asym", eps_req: float = 0.0, correction: str = "auto",
                  support_k: int = 32, n_proposals: int = 4, signer=None, chat: bool = True,
                  transport: Transport | None = None, scheduler: DraftScheduler | None = None,

@@ -69,7 +69,8 @@ def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
 @click.option("--draft", default=None, help="Draft model (default: the demo draft).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
-@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH, show_default=True,
+@click.option("--depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH,
+              show_default=True,
               help="Draft depth (tokens per block).")
 @click.option("--model-name", default="specrelay", show_default=True,
               help="The model name reported to OpenAI clients.")
