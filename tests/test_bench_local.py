@@ -44,11 +44,29 @@ def test_local_bench_end_to_end(tmp_path, monkeypatch):
 
 
 def test_generate_local_with_trees_matches_the_target_alone(tmp_path, monkeypatch):
-    """``specrelay generate --local`` on the tiny checkpoint: the plan drafts dynamic
-    trees at this budget and storage (a draft token is far under 10 % of the streamed
-    pass), the stderr line names them, and the tokens are the offloaded target's alone
-    (``--local-method ar``), greedy."""
+    """``specrelay generate --local`` on the tiny checkpoint (bf16): the plan drafts with
+    the 4-bit self-draft, and on a torch without CPU int4 kernels it drafts dynamic
+    trees of the skip draft at this budget and storage (a draft token is far under 10 %
+    of the streamed pass), the stderr line names them; the tokens are the offloaded
+    target's alone (``--local-method ar``), greedy."""
     monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
+    from edge_sdk.local_target import quant
+
+    if quant.int4_supported():
+        folder = tmp_path / "tiny"
+        tiny_model(layers=4, seed=2).save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+        from specrelay_cli import main
+        q = CliRunner().invoke(main, ["generate", "def f(x):", "--local", "--memory-budget",
+                                      BUDGET, "--storage", STORAGE, "--local-target",
+                                      str(folder), "--max-new-tokens", "12", "--json"])
+        assert q.exit_code == 0, q.output
+        qr = json.loads(q.output.strip().splitlines()[-1])
+        assert qr["local"]["plan"]["draft"] == "quant" and qr["local"]["draft_bytes"] > 0
+        quant_ids = qr["token_ids"]
+    else:                                                      # pragma: no cover
+        quant_ids = None
+    monkeypatch.setattr(quant, "int4_supported", lambda: False)
     folder = tmp_path / "tiny"
     tiny_model(layers=4, seed=2).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
@@ -63,6 +81,7 @@ def test_generate_local_with_trees_matches_the_target_alone(tmp_path, monkeypatc
         runs[method] = json.loads(res.output.strip().splitlines()[-1])
     assert runs["cats"]["local"]["beam"] > 1 and runs["cats"]["local"]["nodes"] > 1
     assert runs["cats"]["token_ids"] == runs["ar"]["token_ids"]
+    assert quant_ids in (None, runs["ar"]["token_ids"])
     assert runs["cats"]["metrics"]["rounds"] < runs["ar"]["metrics"]["rounds"]
     res = CliRunner().invoke(main, base)
     assert res.exit_code == 0 and "(trees " in res.output, res.output

@@ -115,7 +115,7 @@ def test_cats_greedy_identity_on_the_packed_target(path, model):
         for vocab in (40, None):
             d = SkipDraft(t, vocab)
             if vocab == 40:                                  # the draft chunks are used
-                assert d._sub == t.model.lm_head.draft
+                assert d._head._sub == t.model.lm_head.draft
             for depth, width in ((3, 1), (8, 1), (3, 4), (8, 4)):
                 toks = CatsDecoder(t, d, depth, width=width).generate(
                     PROMPT, 30, S.SamplingConfig())[0]

@@ -45,6 +45,18 @@ pass) the plan says ``depth = 0`` and CATS decodes with the target alone. The ca
 falls below ``t_draft / t_full``: the expected value of one more drafted token (its
 acceptance probability times the pass it saves) no longer covers its cost.
 
+The quantized self-draft (:mod:`.quant`: ALL decoder layers resident as 4-bit groups
+beside the ``R`` bf16 ones, the target's own head and KV cache; QSpec, Zhao et al.
+2024, §3) takes ``Q = L * int4_layer_bytes(W_layer)`` more bytes, so fewer bf16 layers
+fit (``R_q``, the largest with ``M(R_q) + Q <= budget``) and the
+verification pass streams more; but its draft is the whole target up to rounding:
+
+    t_draft = Q / MEM_BW_INT4 + W_head_sub / bw_head,    a = QUANT_MEASURED's chain
+    agreement, k in 1..QUANT_MAX_DEPTH
+
+and it is priced against the others by the same ``rate``. Its plans draft chains
+(width 1: it has no tree pass).
+
 Width (greedy): ``WIDTH - 1`` sibling candidates ride in the same full pass
 (:mod:`.siblings`: at the chain positions of largest estimated hit probability, the
 draft's path confidence) whenever the plan drafts and their one extra resident pass
@@ -64,7 +76,8 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["Sizes", "Plan", "AGREEMENT", "SKIP_MEASURED", "SKIP_SETS", "agreement",
            "skip_agreement", "skip_split", "skip_layers", "draft_label", "plan", "parse_bytes", "MEM_BW", "MEM_BW_PACKED", "MAX_DEPTH",
-           "WIDTH", "BEAM", "NODES", "TREE_DEPTH"]
+           "WIDTH", "BEAM", "NODES", "TREE_DEPTH", "MEM_BW_INT4", "QUANT_MEASURED",
+           "QUANT_MAX_DEPTH", "quant_bytes"]
 
 AGREEMENT = {0: 0.0, 14: 0.30, 18: 0.35, 20: 0.43, 22: 0.50, 24: 0.64, 26: 0.76, 28: 1.0}
 """Exit layer (of 28) -> tuned exit-head top-1 agreement with the final layer on
@@ -101,6 +114,25 @@ MEM_BW_PACKED = 22e9
 """The same for a weight prepacked for oneDNN (:mod:`edge_sdk.packed`): a layer 4.4 ms
 (5.5 for 8 tokens), the head 17.9 ms, the 32768-row draft sub-head 3.3 ms; the skip
 draft's token at R = 12 (2 + 10) 51.5 ms against 102.6 ms dense."""
+
+MEM_BW_INT4 = 17e9
+"""Effective bandwidth (bytes/s) of the quantized self-draft's 4-bit layers in a draft
+token (:class:`~.quant.Int4Linear` weights, scales and zeros, with the layers'
+attention and norms): 28 layers of Qwen2.5-Coder-1.5B (819 MB) in ~47 ms of a 50.4 ms
+token (the rest: the packed 32768-row sub-head) after a 200-token context, one thread
+(``python -m bench.probes.quant_agreement``, docs/figures/cats/quant/)."""
+
+QUANT_MEASURED = (6.16, 0.961)
+"""The quantized self-draft's (mean accepted drafts of a depth-8 block, first-token
+agreement), Qwen2.5-Coder-1.5B bf16 with 4-bit groups of 32 drafting on the target's
+cache of the true prefix, teacher-forced on HumanEval/MT-Bench prompts 4..7 x 32 greedy
+tokens (6.30 / 6.02 per workload; ``python -m bench.probes.quant_agreement --offset
+4``, docs/figures/cats/quant/agreement.json). The skip draft at R = 12: 1.90
+(:data:`SKIP_SETS`)."""
+
+QUANT_MAX_DEPTH = 16
+"""The deepest block the quantized self-draft's plans consider (its chain agreement
+makes blocks past 8 pay on slow storage)."""
 
 MAX_DEPTH = 8
 WIDTH = 8
@@ -185,9 +217,11 @@ class Plan:
     layer_set: tuple = ()
     beam: int = 1
     nodes: int = 0
-    """``draft``: ``exit`` (layers 0..E-1 + the exit head at ``exit_layer``) or ``skip``
+    """``draft``: ``exit`` (layers 0..E-1 + the exit head at ``exit_layer``), ``skip``
     (layers 0..R1-1 and the last ``tail_layers`` resident, ``exit_layer`` = 0; or the
-    resident decoder layers ``layer_set`` when it is not empty, ``tail_layers`` = 0).
+    resident decoder layers ``layer_set`` when it is not empty, ``tail_layers`` = 0) or
+    ``quant`` (every layer as 4-bit groups beside the first ``resident_layers`` bf16
+    ones; ``memory`` counts them).
     ``beam`` > 1: greedy blocks are dynamic trees of ``depth`` levels, ``beam`` nodes
     expanded per level, ``nodes`` verified (1: chains with ``width - 1`` siblings)."""
 
@@ -196,9 +230,11 @@ class Plan:
 
 
 def draft_label(p: "Plan | dict") -> str:
-    """``exit layer E``, ``skip draft R1+R2`` or ``skip draft 0-2,17-24,26`` (a resident
-    set) of a plan or its :meth:`Plan.to_dict`."""
+    """``exit layer E``, ``skip draft R1+R2``, ``skip draft 0-2,17-24,26`` (a resident
+    set) or ``int4 self-draft`` of a plan or its :meth:`Plan.to_dict`."""
     d = p if isinstance(p, dict) else p.to_dict()
+    if d.get("draft") == "quant":
+        return "int4 self-draft"
     if d.get("draft", "exit") != "skip":
         return f"exit layer {d['exit_layer']}"
     if d.get("layer_set"):
@@ -271,6 +307,16 @@ def skip_layers(R: int, L: int) -> tuple[int, ...]:
     return tuple(range(r1)) + tuple(range(L - (R - r1), L))
 
 
+def quant_bytes(s: Sizes) -> int:
+    """Bytes the quantized self-draft adds: every decoder layer as 4-bit groups
+    (:func:`~.quant.int4_layer_bytes`; it drafts on the target's KV cache, whose
+    ``max_ctx`` tokens already count)."""
+    from edge_sdk.local_target.quant import int4_layer_bytes
+
+    item = max(1, s.norm // max(1, s.hidden))
+    return s.layers * int4_layer_bytes(s.layer, item)
+
+
 def _memory(s: Sizes, R: int, embed: bool, max_ctx: int, nodes: int = 0) -> int:
     """Bytes of a plan with ``R`` resident layers; ``nodes``: the verified nodes of its
     draft trees (their pass's logits: ``1 + nodes`` rows in the head's dtype, argmax
@@ -321,12 +367,36 @@ def _skip_rate(s: Sizes, R: int, k: int, bw: float, sub_head: int, packed: bool 
                        packed)
 
 
+def _quant_plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int, sub: float,
+                packed: bool):
+    """The best quantized self-draft choice ``((rate, t_full, t_draft, a), R_q, k)``,
+    or None when the 4-bit layers and their cache do not fit beside the head + one
+    streamed layer + KV cache."""
+    extra = quant_bytes(s)
+    fits = [r for r in range(s.layers + 1) if _memory(s, r, False, max_ctx) + extra <= budget]
+    if not fits:
+        return None
+    R = max(fits)
+    acc, _ = QUANT_MEASURED
+    a = _chain_a(acc)
+    t_full = _t_full(s, R, bandwidth, packed, packed)
+    _, head = _bws(packed, packed)
+    t_draft = extra / MEM_BW_INT4 + sub / head
+    best = None
+    for k in range(1, QUANT_MAX_DEPTH + 1):
+        rate = (1 - a ** (k + 1)) / (1 - a) / (t_full + k * t_draft)
+        if best is None or rate > best[0][0]:
+            best = ((rate, t_full, t_draft, a), R, k)
+    return best
+
+
 def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
          head_vocab: int = 32768, drafts: tuple = ("exit", "skip"),
          packed: bool = False) -> Plan:
     """The plan for ``budget`` bytes and ``bandwidth`` bytes/s (0: unthrottled), with
-    the drafts allowed in ``drafts`` (``exit``, ``skip``; the skip draft needs a
-    streamed middle: 2 <= R < L); ``packed``: the resident linears prepacked (the
+    the drafts allowed in ``drafts`` (``exit``, ``skip``, ``quant``; the skip draft
+    needs a streamed middle: 2 <= R < L; ``quant`` needs the CPU int4 kernels, see
+    :func:`~.quant.int4_supported`); ``packed``: the resident linears prepacked (the
     memory is the same: a packed weight replaces its dense one).
 
     Raises ValueError when not even the head + one streamed layer + KV fit."""
@@ -351,6 +421,16 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     t_ar = _t_full(s, R, bandwidth, packed, packed)        # the target alone: head packed
     if best is None or best[0][0] <= 1.0 / t_ar:   # no draft pays: the target alone
         best = ((1.0 / t_ar, t_ar, 0.0, 0.0), 0, 0, "exit")
+    # the 4-bit copy is paid for with streamed layers: where the whole target fits, the
+    # target alone streams nothing and keeps it (the model's geometric chain overrates
+    # long blocks: 10.4 tokens per pass at depth 16 against 7.3-8.0 measured at 50 %)
+    q = (_quant_plan(s, budget, bandwidth, max_ctx, sub, packed)
+         if "quant" in drafts and R < s.layers else None)
+    if q is not None and q[0][0] > best[0][0]:
+        (rate, t_full, t_draft, a), Rq, k = q
+        return Plan(budget, Rq, False, 0, k,
+                    _memory(s, Rq, False, max_ctx) + quant_bytes(s), t_full,
+                    t_draft, a, rate, 1.0 / t_ar, t_draft / t_full, 1, "quant")
     (rate, t_full, t_draft, a), E, k, draft = best
     searched = draft == "skip" and _searched(R, s.layers)
     tail = R - skip_split(R, s.layers) if draft == "skip" and not searched else 0

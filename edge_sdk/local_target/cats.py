@@ -6,11 +6,13 @@ siblings verified in the same pass: SpecInfer, Miao et al. 2024, §4).
 
 The cascade, from cheapest to dearest, for one block of a round:
 
-1. **Resident draft** (no storage reads), one of two (:mod:`.budget` picks by
+1. **Resident draft** (no storage reads), one of three (:mod:`.budget` picks by
    predicted rate): the early exit (layers ``0..E-1`` + the tuned exit head at ``E``,
-   :class:`ExitDraft`) or the layer-skipping draft (layers ``0..R1-1`` and a resident
+   :class:`ExitDraft`), the layer-skipping draft (layers ``0..R1-1`` and a resident
    tail of ``R2`` more + the model's own head, :class:`~.skip.SkipDraft`, whose tail-layer entries
-   are draft-only and cropped before step 3). It proposes ``d_1..d_k``; its keys/values
+   are draft-only and cropped before step 3), or the quantized self-draft (every layer
+   as 4-bit groups + the model's own head, :class:`~.quant.QuantDraft`, split 0: all
+   its entries are draft-only and cropped before step 3). It proposes ``d_1..d_k``; its keys/values
    of layers ``0..S-1`` (``S`` = the split: ``E`` or ``R1``) are the target's own and
    are kept.
 2. **Resident gate** (free): the draft's own probability of the block so far,
@@ -175,7 +177,7 @@ class CatsDecoder:
             (E <= leading resident layers: drafting reads nothing from storage), or a
             draft object with ``split``, ``step`` and ``release``
             (:class:`ExitDraft`, :class:`~.skip.SkipDraft`).
-        depth: the most draft tokens per block (1..8). gate: the cascade's gate on the
+        depth: the most draft tokens per block (1..16). gate: the cascade's gate on the
             block's draft probability (0: off). width: 1 + the number of sibling
             candidates in the block, at the chain positions the draft is least sure
             to reach past (greedy, :mod:`.siblings`; 1: a chain). siblings: the
@@ -188,15 +190,15 @@ class CatsDecoder:
             siblings by ``width``). nodes: the most tree nodes the full pass verifies
             (the root, the context's last token, is one more row).
     Raises:
-        ValueError: the exit layer is not resident or depth is outside 1..8.
+        ValueError: the exit layer is not resident or depth is outside 1..16.
     """
 
     def __init__(self, target: OffloadedTarget, head, depth: int,
                  gate: float = 0.0, width: int = 1, siblings=tree_siblings,
                  beam: int = 1, nodes: int = NODES):
         draft = ExitDraft(target, head) if isinstance(head, ExitHead) else head
-        if not 1 <= depth <= 8:
-            raise ValueError(f"depth {depth} outside 1..8")
+        if not 1 <= depth <= 16:
+            raise ValueError(f"depth {depth} outside 1..16")
         self.t, self.draft, self.depth, self.gate = target, draft, int(depth), float(gate)
         self.E, self.width, self.sibling_hits = draft.split, max(1, int(width)), 0
         self.siblings = siblings

@@ -38,8 +38,8 @@ DRAFT_VOCAB = 32768
 @dataclass
 class LocalTarget:
     """An opened local target: the runner, its plan, its drafting head (an exit head,
-    or a :class:`~.skip.SkipDraft` for a ``skip`` plan; None before one is attached)
-    and the tokenizer."""
+    a :class:`~.skip.SkipDraft` for a ``skip`` plan, a :class:`~.quant.QuantDraft` for
+    a ``quant`` plan; None before one is attached) and the tokenizer."""
 
     target: OffloadedTarget
     plan: Plan
@@ -79,9 +79,12 @@ def checkpoint_dir(name: str, dtype: str = "bfloat16") -> Path:
 
 
 def open_local_target(name: str, budget: str | int | float, storage: str = "nvme",
-                      dtype: str = "bfloat16", max_ctx: int = 2048) -> LocalTarget:
+                      dtype: str = "bfloat16", max_ctx: int = 2048,
+                      quant: bool = True) -> LocalTarget:
     """Open ``name`` under ``budget`` (bytes, ``1.5GB`` or a fraction of the weights)
-    on emulated ``storage`` (``nvme``, ``emmc``, ``ram``, ``<rate>MB/s``).
+    on emulated ``storage`` (``nvme``, ``emmc``, ``ram``, ``<rate>MB/s``). ``quant``:
+    the plan may choose the quantized self-draft (bf16 and torch's CPU int4 kernels
+    only); False for the target alone, which spends the whole budget on bf16 layers.
 
     Raises ValueError (budget too small or unparsable), FileNotFoundError."""
     from transformers import AutoConfig, GenerationConfig
@@ -93,8 +96,12 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     s = sizes_of(store, config)
     packed = packed_default() and packing_supported() and dtype == "bfloat16"
+    from edge_sdk.local_target.quant import int4_supported
+
+    drafts = ("exit", "skip") + (("quant",) if quant and dtype == "bfloat16"
+                                 and int4_supported() else ())
     p = plan(s, parse_bytes(budget, s.weights), store.profile.bytes_per_s, max_ctx,
-             packed=packed)
+             drafts=drafts, packed=packed)
     try:
         gen = GenerationConfig.from_pretrained(folder, local_files_only=True)
     except OSError:

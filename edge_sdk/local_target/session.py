@@ -107,10 +107,16 @@ class LocalSession:
         return [S.sample_next(self.local.target.logits(lg)[0], cfg, ids, gen)[0]]
 
     def describe(self) -> dict:
-        """The plan, the measured resident bytes, the storage profile and the draft
-        tree actually used (``beam``, ``nodes``; beam 1: chains) (JSON-able)."""
+        """The plan, the measured resident bytes (the target's; ``draft_bytes``: the
+        quantized self-draft's 4-bit layers, 0 for the other drafts, whose bytes are
+        the target's), the storage profile and the draft tree actually used (``beam``,
+        ``nodes``; beam 1: chains) (JSON-able)."""
+        from edge_sdk.local_target.quant import QuantDraft
+
         t, (beam, nodes) = self.local.target, self.tree()
+        head = self.local.head
         return {"plan": self.plan.to_dict(), "resident_bytes": t.resident_bytes(),
+                "draft_bytes": head.nbytes() if isinstance(head, QuantDraft) else 0,
                 "storage": t.storage.profile.name,
                 "storage_bytes_per_s": t.storage.profile.bytes_per_s,
                 "exit_head": getattr(self.local.head, "name", None), "method": self.method,
@@ -134,10 +140,13 @@ def build_local(name: str, budget, storage: str = "nvme", dtype: str = "bfloat16
 
     if method not in ("cats", "ar"):
         raise ValueError(f"local method {method!r}: expected cats or ar")
-    local = open_local_target(name, budget, storage, dtype)
+    local = open_local_target(name, budget, storage, dtype, quant=method == "cats")
     if method == "cats" and local.plan.draft == "skip" and local.plan.depth:
         from edge_sdk.local_target.skip import SkipDraft
         local.head = SkipDraft(local.target, DRAFT_VOCAB)
+    elif method == "cats" and local.plan.draft == "quant" and local.plan.depth:
+        from edge_sdk.local_target.quant import QuantDraft
+        local.head = QuantDraft(local.target, DRAFT_VOCAB)
     elif method == "cats" and local.plan.exit_layer:
         store = local.target.storage
         prof, store.profile = store.profile, PROFILES["ram"]     # fit unthrottled
