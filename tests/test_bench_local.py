@@ -11,14 +11,14 @@ from click.testing import CliRunner
 from conftest import tiny_model, tiny_tokenizer
 from edge_sdk.local_target.load import open_local_target
 
-BUDGET = "1.2MB"     # 2 of the 4 layers resident (+ one streamed buffer + KV reserve)
-STORAGE = "1MB/s"    # 74 ms per streamed pass: speculation pays
+BUDGET = "1.75MB"    # 2 of the 6 layers resident (+ two streamed buffers + KV reserve)
+STORAGE = "1MB/s"    # 148 ms per streamed pass: speculation pays
 
 
 def test_local_bench_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "tiny"
-    model = tiny_model(layers=4, seed=2)
+    model = tiny_model(layers=6, seed=2)
     model.save_pretrained(folder)           # model.safetensors, config, generation config
     tiny_tokenizer().save_pretrained(folder)
     local = open_local_target(str(folder), BUDGET, STORAGE, "float32")
@@ -35,10 +35,10 @@ def test_local_bench_end_to_end(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     r = json.loads((out / "results.json").read_text())
     assert {x["mode"] for x in r["runs"]} == {"local-offload-ar", "cats"}
-    assert {x["profile"] for x in r["runs"]} == {"mem1.2MB-1MB/s"}
+    assert {x["profile"] for x in r["runs"]} == {"mem1.75MB-1MB/s"}
     assert all(x["peak_rss_bytes"] > 0 for x in r["runs"])
     assert r["ratios"] and r["config"]["greedy_identity"] == {"compared": 1, "identical": 1}
-    assert "mem1.2MB-1MB/s" in (out / "summary.md").read_text()
+    assert "mem1.75MB-1MB/s" in (out / "summary.md").read_text()
     cats = next(x for x in r["runs"] if x["mode"] == "cats")
     assert cats["local"]["plan"]["draft"] == "skip" and cats["local"]["exit_head"].startswith("skip-")
 
@@ -54,7 +54,7 @@ def test_generate_local_with_trees_matches_the_target_alone(tmp_path, monkeypatc
 
     if quant.int4_supported():
         folder = tmp_path / "tiny"
-        tiny_model(layers=4, seed=2).save_pretrained(folder)
+        tiny_model(layers=6, seed=2).save_pretrained(folder)
         tiny_tokenizer().save_pretrained(folder)
         from specrelay_cli import main
         q = CliRunner().invoke(main, ["generate", "def f(x):", "--local", "--memory-budget",
@@ -68,7 +68,7 @@ def test_generate_local_with_trees_matches_the_target_alone(tmp_path, monkeypatc
         quant_ids = None
     monkeypatch.setattr(quant, "int4_supported", lambda: False)
     folder = tmp_path / "tiny"
-    tiny_model(layers=4, seed=2).save_pretrained(folder)
+    tiny_model(layers=6, seed=2).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     from specrelay_cli import main
 

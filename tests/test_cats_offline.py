@@ -29,7 +29,9 @@ def _local(tmp_path, model, tok) -> LocalSession:
     store = Storage(path, StorageProfile("slow-flash", 1e6))   # ~37 ms per streamed pass
     p = dataclasses.replace(plan(sizes_of(store, model.config), 10 ** 9, 2e9),
                             resident_layers=1, exit_layer=1, depth=3, gate=0.0)
-    t = OffloadedTarget(store, model.config, 1)          # layer 1 streamed
+    # layer 1 streamed, one buffer: with a read-ahead the local steps would hide every
+    # read and finish before the cloud is back
+    t = OffloadedTarget(store, model.config, 1, prefetch=False)
     return LocalSession(LocalTarget(t, p, tok, untrained_head(t.model, 1)))
 
 

@@ -4,7 +4,7 @@ patterns").
 
 Memory (bytes) of a plan with ``R`` resident decoder layers:
 
-    M(R) = W_head + W_norm + R * W_layer + [R < L] * W_layer      (one streamed buffer)
+    M(R) = W_head + W_norm + R * W_layer + [R < L] * 2 * W_layer  (two streamed buffers)
            + [embed resident] * W_embed + KV(max_ctx) + overhead
 
 ``KV(n) = n * 2 * L * n_kv * head_dim * itemsize``; ``overhead`` = the exit translator
@@ -15,9 +15,12 @@ after all layers (otherwise each token's row is read from storage: H*itemsize by
 Time (seconds) of one round of self-speculation with exit layer ``E <= R`` and depth
 ``k`` (memory-bound CPU decoding: a pass costs the same for 1 or k+1 tokens):
 
-    t_full  = (L - R) * W_layer / storage_bw                           (streamed reads)
-              + (L - R) * W_layer / MEM_BW                              (their compute)
+    t_full  = max((L - R) * W_layer / storage_bw,                      (streamed reads,
+                  (L - R) * W_layer / MEM_BW)                            their compute)
               + R * W_layer / bw_res + W_head / bw_head                 (resident compute)
+
+(the two buffers overlap: the next streamed layer is read while one computes, and the
+first one of the next pass while the rest of the round runs, :mod:`.runner`)
     t_draft = E * W_layer / bw_res + W_head_sub / bw_head             (one draft token)
 
 ``bw_res`` = :data:`MEM_BW_PACKED` when the resident linears are prepacked for oneDNN
@@ -133,6 +136,10 @@ tokens (6.30 / 6.02 per workload; ``python -m bench.probes.quant_agreement --off
 QUANT_MAX_DEPTH = 16
 """The deepest block the quantized self-draft's plans consider (its chain agreement
 makes blocks past 8 pay on slow storage)."""
+
+STREAM_BUFFERS = 2
+"""Streamed-layer buffers of :class:`~.runner.OffloadedTarget` (``prefetch``: one
+computes while the next layer is read into the other)."""
 
 MAX_DEPTH = 8
 WIDTH = 8
@@ -324,7 +331,7 @@ def _memory(s: Sizes, R: int, embed: bool, max_ctx: int, nodes: int = 0) -> int:
     item = max(1, s.head // max(1, s.vocab * s.hidden))
     logits = max(s.vocab * 4 * (MAX_DEPTH + 1), s.vocab * item * (1 + nodes))
     over = s.hidden * s.hidden * 4 + logits
-    return (s.head + s.norm + R * s.layer + (s.layer if R < s.layers else 0)
+    return (s.head + s.norm + R * s.layer + (STREAM_BUFFERS * s.layer if R < s.layers else 0)
             + (s.embed if embed else 0) + s.kv_per_token * max_ctx + over)
 
 
@@ -335,10 +342,11 @@ def _bws(packed: bool, head_packed: bool) -> tuple[float, float]:
 
 
 def _t_full(s: Sizes, R: int, bw: float, packed: bool, head_packed: bool) -> float:
-    """One full pass: streamed reads + their dense compute + the resident compute."""
+    """One full pass: the streamed reads overlapped with their dense compute (two
+    buffers), + the resident compute."""
     res, head = _bws(packed, head_packed)
     stream = (s.layers - R) * s.layer / bw if bw > 0 else 0.0
-    return stream + (s.layers - R) * s.layer / MEM_BW + R * s.layer / res + s.head / head
+    return max(stream, (s.layers - R) * s.layer / MEM_BW) + R * s.layer / res + s.head / head
 
 
 def _chain_rate(s: Sizes, R: int, draft_layers: int, a: float, k: int, bw: float,
@@ -370,8 +378,8 @@ def _skip_rate(s: Sizes, R: int, k: int, bw: float, sub_head: int, packed: bool 
 def _quant_plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int, sub: float,
                 packed: bool):
     """The best quantized self-draft choice ``((rate, t_full, t_draft, a), R_q, k)``,
-    or None when the 4-bit layers and their cache do not fit beside the head + one
-    streamed layer + KV cache."""
+    or None when the 4-bit layers do not fit beside the head + the streamed-layer
+    buffers + KV cache."""
     extra = quant_bytes(s)
     fits = [r for r in range(s.layers + 1) if _memory(s, r, False, max_ctx) + extra <= budget]
     if not fits:
@@ -399,11 +407,11 @@ def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,
     :func:`~.quant.int4_supported`); ``packed``: the resident linears prepacked (the
     memory is the same: a packed weight replaces its dense one).
 
-    Raises ValueError when not even the head + one streamed layer + KV fit."""
+    Raises ValueError when not even the head + the streamed-layer buffers + KV fit."""
     if _memory(s, 0, False, max_ctx) > budget:
         raise ValueError(f"memory budget {budget / 1e9:.2f} GB is below the minimum "
-                         f"{_memory(s, 0, False, max_ctx) / 1e9:.2f} GB (head + one "
-                         "streamed layer + KV cache)")
+                         f"{_memory(s, 0, False, max_ctx) / 1e9:.2f} GB (head + streamed-layer "
+                         "buffers + KV cache)")
     R = max(r for r in range(s.layers + 1) if _memory(s, r, False, max_ctx) <= budget)
     embed = R == s.layers and _memory(s, R, True, max_ctx) <= budget
     sub = s.head * min(1.0, head_vocab / s.vocab)

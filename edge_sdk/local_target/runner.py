@@ -2,9 +2,13 @@
 resident -- the first ``R``, the first ``R1`` and the last ``R2`` (``R1 + R2 = R``), or
 any set of ``R`` layers (for the layer-skipping draft of :mod:`.skip`; ``R1`` is then
 the first layer not in the set) -- the other layers streamed from storage
-into ONE reusable set of layer buffers per forward pass (CATS, "parameter offloading patterns": the layers
+into two reusable layer buffers per forward pass (CATS, "parameter offloading patterns": the layers
 that do not fit the budget are loaded per pass; the peak footprint stays at resident
-weights + one streamed layer + KV cache, never the whole target).
+weights + two streamed layers + KV cache, never the whole target). Double buffering:
+while one buffer's layer computes, the next streamed layer is read into the other on a
+background thread (the emulated storage's wait then overlaps the compute, as DMA reads
+from flash do), and the pass's last streamed layer reads ahead the first one of the
+next pass.
 
 The model is built on the ``meta`` device (no memory), then only the resident tensors
 are materialised from the checkpoint; the streamed layers stay on ``meta`` and run
@@ -79,6 +83,10 @@ class OffloadedTarget:
             :class:`~.head.PackedHead`; ``model.lm_head`` then has no ``.weight``).
         draft_ids: sorted long [K], the draft's vocabulary the packed head keeps as
             its own chunks (:meth:`~.head.PackedHead.draft`; None: no split).
+        prefetch: two streamed-layer buffers (the budget counts both,
+            :data:`~.budget.STREAM_BUFFERS`): the next streamed layer is read on a
+            background thread while one computes, and a buffer that still holds the
+            layer asked for is not read again; False: one buffer, read for every use.
     Attributes:
         packed: True when the resident linears are packed.
         R1: the first streamed layer (L when nothing is streamed): layers ``0..R1-1``
@@ -93,7 +101,7 @@ class OffloadedTarget:
                  dtype: torch.dtype = torch.float32, resident_embed: bool = False,
                  tail_layers: int = 0, packed: bool = False, pack_head: bool = True,
                  draft_ids: torch.Tensor | None = None,
-                 layer_set: Sequence[int] | None = None):
+                 layer_set: Sequence[int] | None = None, prefetch: bool = True):
         L = int(config.num_hidden_layers)
         if layer_set is not None:
             ids = [int(i) for i in layer_set]
@@ -127,7 +135,15 @@ class OffloadedTarget:
             _trim()
         inner = self.model.model
         inner.rotary_emb = type(inner.rotary_emb)(config=config)      # real inv_freq
-        self.buffer = self._make_buffer() if self.R < L else None
+        n_buf = 0 if self.R == L else (2 if prefetch else 1)
+        self.buffers = [self._make_buffer() for _ in range(n_buf)]
+        self.buffer = self.buffers[0] if self.buffers else None
+        self._loaded = [None] * n_buf         # layer id each buffer holds (or is reading)
+        self._pending = None                  # (buffer index, future) of the read in flight
+        self._pool = None
+        if n_buf == 2:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="specrelay-prefetch")
         self.cache = DynamicCache(config=config)
         self.streamed_passes = 0
 
@@ -178,7 +194,7 @@ class OffloadedTarget:
         """Bytes of the materialised tensors (resident weights, dense or packed, + the
         layer buffer)."""
         seen, n = set(), 0
-        mods = [self.model] + ([self.buffer] if self.buffer is not None else [])
+        mods = [self.model] + self.buffers
         for m in mods:
             for t in list(m.parameters()) + list(m.buffers()):
                 if t.device.type != "meta" and t.data_ptr() not in seen:
@@ -190,16 +206,50 @@ class OffloadedTarget:
 
     # ------------------------------------------------------------------ forward
 
-    def layer(self, i: int) -> torch.nn.Module:
-        """Decoder layer ``i``, ready to run: the resident module, or the buffer loaded
-        with layer ``i``'s weights from storage (its attention writes cache slot i)."""
+    def _read(self, b: int, i: int) -> None:
+        """Layer ``i``'s weights from storage into buffer ``b``."""
+        for name, p in self.buffers[b].named_parameters():
+            self.storage.read_into(f"model.layers.{i}.{name}", p.data)
+
+    def settle(self) -> None:
+        """Wait for the read in flight, if any (its buffer then holds its layer)."""
+        if self._pending is not None:
+            b, fut = self._pending
+            self._pending = None
+            try:
+                fut.result()
+            except BaseException:
+                self._loaded[b] = None
+                raise
+
+    def layer(self, i: int, next_streamed: int | None = None) -> torch.nn.Module:
+        """Decoder layer ``i``, ready to run: the resident module, or a buffer loaded
+        with layer ``i``'s weights from storage (its attention writes cache slot i).
+        With two buffers (``prefetch``), the streamed layer ``next_streamed`` (None:
+        the first streamed layer, the next pass's first read) is then read into the
+        other buffer on a background thread while layer ``i`` computes: the emulated
+        storage's wait overlaps the compute (double buffering, as DMA reads from
+        flash would)."""
         if i in self.resident:
             return self.model.model.layers[i]
         self.streamed_passes += i == self.R1
-        for name, p in self.buffer.named_parameters():
-            self.storage.read_into(f"model.layers.{i}.{name}", p.data)
-        self.buffer.self_attn.layer_idx = i
-        return self.buffer
+        self.settle()
+        if self._pool is not None and i in self._loaded:      # read ahead (or kept)
+            b = self._loaded.index(i)
+        else:
+            b = 0                               # nothing in flight: both are free
+            self._loaded[b] = None
+            self._read(b, i)
+            self._loaded[b] = i
+        if self._pool is not None:
+            j = self.R1 if next_streamed is None else next_streamed
+            o = 1 - b
+            if j != i and self._loaded[o] != j:
+                self._loaded[o] = j
+                self._pending = (o, self._pool.submit(self._read, o, j))
+        buf = self.buffers[b]
+        buf.self_attn.layer_idx = i
+        return buf
 
     def cache_len(self, i: int) -> int:
         """Tokens in the KV cache of layer ``i``."""
@@ -244,9 +294,12 @@ class OffloadedTarget:
         pe = self.model.model.rotary_emb(h, pos)
         if mask is None and q > 1:
             mask = torch.ones(q, P + q, dtype=torch.bool).tril(P)[None, None]
+        streamed = [i for i in layers if i not in self.resident]
+        after = dict(zip(streamed, streamed[1:]))      # the next read to overlap
         for i in layers:
-            h = self.layer(i)(h, attention_mask=mask, position_ids=pos, cache=self.cache,
-                              use_cache=True, position_embeddings=pe)
+            h = self.layer(i, after.get(i))(h, attention_mask=mask, position_ids=pos,
+                                            cache=self.cache, use_cache=True,
+                                            position_embeddings=pe)
         return h
 
     @torch.inference_mode()
