@@ -120,6 +120,16 @@ def test_sampled_pairs_follow_the_target_distribution(tmp_path, cfg):
     assert_pairs_follow_the_target(dec, model, cfg, V)
 
 
+def assert_cache_is_a_fresh_prefill(t, ref, ids, rtol=1e-4, atol=1e-4):
+    """Every layer of ``t``'s cache holds the keys/values a fresh full prefill of
+    ``ids[:-1]`` on ``ref`` (the same model, all layers resident) computes (shared by the
+    layer-skip and quantized draft tests)."""
+    _prefill(ref, ids)
+    for a, b in zip(t.cache.layers, ref.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=rtol, atol=atol)
+        torch.testing.assert_close(a.values, b.values, rtol=rtol, atol=atol)
+
+
 def assert_pairs_follow_the_target(dec, model, cfg, V, n=1500):
     """The first two tokens after P8 over ``n`` seeds follow the target's exact pair
     distribution (chi-square), with rejections along the way (shared by the exit-head

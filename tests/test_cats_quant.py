@@ -11,27 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from conftest import tiny_model
 from edge_sdk.local_target.budget import Sizes, plan, quant_bytes, _memory
 from edge_sdk.local_target.cats import CatsDecoder, _prefill, decode_ar
 from edge_sdk.local_target.quant import (GROUP, Int4Linear, QuantDraft, int4_layer_bytes,
                                          int4_supported)
-from edge_sdk.local_target.runner import OffloadedTarget
-from edge_sdk.local_target.storage import Storage
 from edge_sdk.protocol import sampling as S
-from test_cats import (PROMPT, SAMPLINGS, assert_pairs_follow_the_target,
-                       assert_zero_draft_rounds_match_ar)
+from test_cats import (PROMPT, SAMPLINGS, _target, assert_cache_is_a_fresh_prefill,
+                       assert_pairs_follow_the_target, assert_zero_draft_rounds_match_ar)
 
 pytestmark = pytest.mark.skipif(not int4_supported(), reason="no CPU int4 kernels")
-
-
-def _target(tmp_path, model, R):
-    path = tmp_path / "m.safetensors"
-    if not path.exists():
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    return OffloadedTarget(Storage(path), model.config, R)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +131,7 @@ def test_every_round_leaves_the_targets_own_cache(tmp_path, model, kw):
         ids += new
         t.crop(len(ids) - 1)
         assert all(t.cache_len(i) == len(ids) - 1 for i in range(6))
-        _prefill(ref, ids)
-        for i in range(6):
-            torch.testing.assert_close(t.cache.layers[i].keys, ref.cache.layers[i].keys,
-                                       rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(t.cache.layers[i].values,
-                                       ref.cache.layers[i].values, rtol=1e-4, atol=1e-4)
+        assert_cache_is_a_fresh_prefill(t, ref, ids)
     assert rejected > 0
 
 

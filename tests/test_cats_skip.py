@@ -19,8 +19,8 @@ from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.skip import SkipDraft
 from edge_sdk.local_target.storage import Storage
 from edge_sdk.protocol import sampling as S
-from test_cats import (PROMPT, SAMPLINGS, assert_pairs_follow_the_target,
-                       assert_zero_draft_rounds_match_ar)
+from test_cats import (PROMPT, SAMPLINGS, assert_cache_is_a_fresh_prefill,
+                       assert_pairs_follow_the_target, assert_zero_draft_rounds_match_ar)
 
 
 def _target(tmp_path, model, R, R2, layer_set=None):
@@ -116,11 +116,7 @@ def test_every_round_leaves_the_targets_own_cache(tmp_path, model, layer_set):
             ids += new
             t.crop(len(ids) - 1)
             assert all(t.cache_len(i) == len(ids) - 1 for i in range(6))
-            _prefill(ref, ids)
-            for i in range(6):
-                a_, b_ = t.cache.layers[i], ref.cache.layers[i]
-                torch.testing.assert_close(a_.keys, b_.keys, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(a_.values, b_.values, rtol=1e-4, atol=1e-4)
+            assert_cache_is_a_fresh_prefill(t, ref, ids)
 
 
 def test_the_draft_attends_to_the_true_prefix_in_the_tail(tmp_path, model):
@@ -214,10 +210,5 @@ def test_a_sibling_deeper_in_the_block_commits_the_targets_tokens(tmp_path, mode
         assert new == ref_ids[len(ids):len(ids) + len(new)]
         ids += new
         t.crop(len(ids) - 1)
-        _prefill(full, ids)
-        for i in range(6):
-            torch.testing.assert_close(t.cache.layers[i].keys, full.cache.layers[i].keys,
-                                       rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(t.cache.layers[i].values,
-                                       full.cache.layers[i].values, rtol=1e-4, atol=1e-4)
+        assert_cache_is_a_fresh_prefill(t, full, ids)
     assert deep > 0
