@@ -142,8 +142,10 @@ class OffloadedTarget:
         self._pending = None                  # (buffer index, future) of the read in flight
         self._pool = None
         if n_buf == 2:
+            import weakref
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="specrelay-prefetch")
+            weakref.finalize(self, self._pool.shutdown, wait=False)   # its idle thread
         self.cache = DynamicCache(config=config)
         self.streamed_passes = 0
 
@@ -192,7 +194,7 @@ class OffloadedTarget:
 
     def resident_bytes(self) -> int:
         """Bytes of the materialised tensors (resident weights, dense or packed, + the
-        layer buffer)."""
+        streamed-layer buffers)."""
         seen, n = set(), 0
         mods = [self.model] + self.buffers
         for m in mods:
