@@ -200,9 +200,10 @@ def test_the_real_target_drafts_with_its_4bit_copy():
     assert st.accepted > 0 and st.rounds < 24
     sess.method = "ar"
     ref, _ = sess.generate(prompt, 24)
-    if out != ref:
+    j, _ = classify_divergence(ref, [], out, [])
+    if j is not None:
+        assert j < min(len(ref), len(out))
         t = sess.local.target
-        j = next(i for i, (a, b) in enumerate(zip(ref, out)) if a != b)
         t.reset()
         top = t.forward(prompt + ref[:j])[-1].topk(2).values
         ties = [j] if float(top[0] - top[1]) < S.NEAR_TIE_GAP["bfloat16"] else []

@@ -22,6 +22,7 @@ def main(argv=None) -> list[dict]:
 
     from bench.local.run import _requests
     from edge_sdk.local_target.load import open_local_target
+    from edge_sdk.metrics import classify_divergence
     from edge_sdk.protocol.sampling import near_tie_gap
 
     runs = list(argv if argv is not None else sys.argv[1:])
@@ -38,9 +39,9 @@ def main(argv=None) -> list[dict]:
             by.setdefault((x["profile"], x["workload"], x["prompt_id"]), {})[x["mode"]] = x
         for (prof, wl, pid), v in by.items():
             a, c = v["local-offload-ar"]["token_ids"], v["cats"]["token_ids"]
-            j = next((i for i, (p, q) in enumerate(zip(a, c)) if p != q), None)
+            j, _ = classify_divergence(a, [], c, [])
             row = {"run": d, "profile": prof, "prompt_id": pid, "diverges_at": j}
-            if j is not None:
+            if j is not None and j < min(len(a), len(c)):
                 p = prompts[(wl, pid)]
                 t.reset()
                 t.run_layers(t.embed(p[:-1]), 0, t.num_layers)
@@ -49,9 +50,12 @@ def main(argv=None) -> list[dict]:
                     t.forward([x])
                 top = t.forward([seq[-1]])[0].topk(2)
                 gap = float(top.values[0] - top.values[1])
+                ties = [j] if gap < gap0 and c[j] in top.indices.tolist() else []
+                kind = classify_divergence(a, ties, c, [])[1]
                 row |= {"ar": a[j], "cats": c[j], "top2": top.indices.tolist(), "gap": gap,
-                        "kind": "near-tie" if gap < gap0 and c[j] in top.indices.tolist()
-                        else "HARD"}
+                        "kind": "near-tie" if kind == "near_tie" else "HARD"}
+            elif j is not None:
+                row["kind"] = "HARD"                   # one output stops early
             print(json.dumps(row), flush=True)
             out.append(row)
     return out

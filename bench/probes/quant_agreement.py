@@ -2,6 +2,7 @@
 layer of the target as 4-bit groups, :mod:`edge_sdk.local_target.quant`).
 
     python -m bench.probes.quant_agreement [--prompts 4] [--offset 4] [--tokens 32]
+        [--attention sdpa]     (--prompts 0: the draft token's cost alone)
 
 Teacher-forced on the full target's greedy continuation (bf16, one thread, nothing
 streamed: storage ``ram``) of HumanEval and MT-Bench prompts ``offset..offset+n-1``:
@@ -34,13 +35,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--group", type=int, default=GROUP)
+    ap.add_argument("--attention", default="grouped",
+                    help="the draft layers' attention: grouped (the draft's own), sdpa, eager")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     local = open_local_target(a.target, 1.0, "ram")          # everything resident
     t, tok = local.target, local.tokenizer
     t0 = time.perf_counter()
-    d = QuantDraft(t, DRAFT_VOCAB, a.group)
+    d = QuantDraft(t, DRAFT_VOCAB, a.group, a.attention)
     build_s = time.perf_counter() - t0
     rows = {}
     for wl, prompt in _prompts(tok, a.prompts, a.offset):
@@ -68,14 +71,15 @@ def main(argv=None) -> dict:
         d.step(600 + i)
     ms = (time.perf_counter() - t0) / 20 * 1e3
     d.release(199)
-    out = {"target": a.target, "group": a.group, "depth": a.depth, "offset": a.offset,
+    blocks = sum(r["blocks"] for r in rows.values())
+    out = {"target": a.target, "group": a.group, "attention": a.attention,
+           "depth": a.depth, "offset": a.offset,
            "prompts_per_workload": a.prompts, "tokens": a.tokens,
            "draft_bytes": d.nbytes(), "build_s": build_s, "ms_per_token": ms,
            "workloads": {w: {"acc@D": r["accepted"] / r["blocks"],
                              "first_token_agreement": r["first"] / r["blocks"],
                              "blocks": r["blocks"]} for w, r in rows.items()}}
-    out["acc@D"] = (sum(r["accepted"] for r in rows.values())
-                    / sum(r["blocks"] for r in rows.values()))
+    out["acc@D"] = sum(r["accepted"] for r in rows.values()) / blocks if blocks else None
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

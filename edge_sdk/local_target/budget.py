@@ -357,8 +357,14 @@ def _chain_rate(s: Sizes, R: int, draft_layers: int, a: float, k: int, bw: float
     res, head = _bws(packed, head_packed)
     t_draft = draft_layers * s.layer / res + sub_head / head
     a = min(a, 0.999)
-    tokens = (1 - a ** (k + 1)) / (1 - a)
-    return tokens / (t_full + k * t_draft), t_full, t_draft, a
+    return _block_rate(a, k, t_full, t_draft), t_full, t_draft, a
+
+
+def _block_rate(a: float, k: int, t_full: float, t_draft: float) -> float:
+    """Tokens/s of rounds of ``k`` drafts at per-token agreement ``a < 1``: ``(1 -
+    a^(k+1)) / (1 - a)`` tokens (Leviathan et al. 2023, §3.1, eq. 1) per ``t_full + k
+    t_draft`` seconds."""
+    return (1 - a ** (k + 1)) / (1 - a) / (t_full + k * t_draft)
 
 
 def _rate(s: Sizes, R: int, E: int, k: int, bw: float, sub_head: int,
@@ -390,12 +396,8 @@ def _quant_plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int, sub: floa
     t_full = _t_full(s, R, bandwidth, packed, packed)
     _, head = _bws(packed, packed)
     t_draft = extra / MEM_BW_INT4 + sub / head
-    best = None
-    for k in range(1, QUANT_MAX_DEPTH + 1):
-        rate = (1 - a ** (k + 1)) / (1 - a) / (t_full + k * t_draft)
-        if best is None or rate > best[0][0]:
-            best = ((rate, t_full, t_draft, a), R, k)
-    return best
+    k = max(range(1, QUANT_MAX_DEPTH + 1), key=lambda k: _block_rate(a, k, t_full, t_draft))
+    return (_block_rate(a, k, t_full, t_draft), t_full, t_draft, a), R, k
 
 
 def plan(s: Sizes, budget: int, bandwidth: float, max_ctx: int = 2048,

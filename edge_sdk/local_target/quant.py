@@ -102,34 +102,30 @@ class Int4Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def _quantize_layer(t: OffloadedTarget, i: int, group: int) -> torch.nn.Module:
-    """Decoder layer ``i`` of ``t`` with 4-bit linears: its tensors read from storage
-    (unthrottled: a one-off build, not a pass), its norms in bf16."""
-    from edge_sdk.local_target.storage import PROFILES
-
-    layer_cls = type(t.model.model.layers[0])
+def _quantize_layer(t: OffloadedTarget, i: int, config, group: int) -> torch.nn.Module:
+    """Decoder layer ``i`` of ``t`` built with ``config``, its linears as 4-bit groups:
+    its tensors read from storage unthrottled (a one-off build, not a pass), its norms
+    in bf16."""
     with torch.device("meta"):
-        lay = layer_cls(_draft_config(t.config), layer_idx=i)
+        lay = type(t.model.model.layers[0])(config, layer_idx=i)
     store, pre = t.storage, f"model.layers.{i}."
-    prof, store.profile = store.profile, PROFILES["ram"]
-    try:
-        def read(name):
-            key = pre + name
-            if key not in store.entries:
-                return None
-            out = torch.empty(store.entries[key][1], dtype=torch.bfloat16)
-            store.read_into(key, out)
-            return out
+
+    def read(name):
+        key = pre + name
+        if key not in store.entries:
+            return None
+        out = torch.empty(store.entries[key][1], dtype=torch.bfloat16)
+        store.read_into(key, out)
+        return out
+
+    with store.unthrottled():
         for name in _LINEARS:
             parent, attr = name.split(".")
-            w, b = read(name + ".weight"), read(name + ".bias")
-            setattr(getattr(lay, parent), attr, Int4Linear(w, b, group))
-            del w
+            setattr(getattr(lay, parent), attr,
+                    Int4Linear(read(name + ".weight"), read(name + ".bias"), group))
         for name in ("input_layernorm", "post_attention_layernorm"):
             getattr(lay, name).weight = torch.nn.Parameter(read(name + ".weight"),
                                                            requires_grad=False)
-    finally:
-        store.profile = prof
     return lay.eval().requires_grad_(False)
 
 
@@ -140,11 +136,12 @@ def grouped_attention(module, query, key, value, attention_mask, scaling: float,
     (True: attend) or None -> ``([B, q, Hq, D], None)`` (transformers' attention
     interface). The ``Hq / Hkv`` query heads of a group share one matmul per key/value
     head, in float32 (a bf16 batched matmul builds a new oneDNN kernel for every new
-    key length: ~0.7 ms per call while the cache grows by a token a step). A
-    draft-only kernel: on one CPU thread it takes ~70 us where
-    ``scaled_dot_product_attention`` takes ~470 us (Qwen2.5-1.5B's 12 query / 2
-    key-value heads, 200 cached tokens, one query) -- any draft keeps the output exact,
-    so the draft need not match the target's attention bit for bit."""
+    key length, ~0.7 ms a call while the cache grows by a token a step). A draft-only
+    kernel -- any draft keeps the output exact, so the draft need not match the
+    target's attention bit for bit: the draft token of Qwen2.5-Coder-1.5B after a
+    200-token context, one thread, takes 52.6 ms with it against 87.8 ms with
+    transformers' SDPA (``python -m bench.probes.quant_agreement --prompts 0
+    [--attention sdpa]``, docs/figures/cats/quant/draft_ms_*.json)."""
     B, Hq, q, D = query.shape
     Hkv, n = key.shape[1], key.shape[2]
     g = Hq // Hkv
@@ -159,15 +156,18 @@ def grouped_attention(module, query, key, value, attention_mask, scaling: float,
 _ATTN = "specrelay_grouped"
 
 
-def _draft_config(config):
-    """A copy of ``config`` whose attention is :func:`grouped_attention`."""
+def _draft_config(config, attention: str):
+    """A copy of ``config`` whose attention is ``attention`` (``grouped``:
+    :func:`grouped_attention`; else a transformers implementation, e.g. ``sdpa``)."""
     import copy
 
     from transformers import AttentionInterface
 
-    AttentionInterface.register(_ATTN, grouped_attention)
+    if attention == "grouped":
+        AttentionInterface.register(_ATTN, grouped_attention)
+        attention = _ATTN
     c = copy.deepcopy(config)
-    c._attn_implementation = _ATTN
+    c._attn_implementation = attention
     return c
 
 
@@ -180,6 +180,8 @@ class QuantDraft:
         vocab: the draft's vocabulary (the first ``vocab`` ids + the special ones,
             :class:`~.skip.DraftVocabHead`; None: all).
         group: input weights per quantization group.
+        attention: the draft layers' attention: ``grouped`` (:func:`grouped_attention`)
+            or a transformers implementation (``sdpa``, ``eager``; for comparison).
     Attributes:
         split: 0 (the verification pass runs every layer).
     Raises:
@@ -190,11 +192,13 @@ class QuantDraft:
     split = 0
 
     def __init__(self, target: OffloadedTarget, vocab: int | None = 32768,
-                 group: int = GROUP):
+                 group: int = GROUP, attention: str = "grouped"):
         if not int4_supported():
             raise ValueError("the quantized self-draft needs torch's CPU int4 kernels")
         self.t, self.head = target, DraftVocabHead(target, vocab)
-        self.layers = [_quantize_layer(target, i, group) for i in range(target.num_layers)]
+        config = _draft_config(target.config, attention)
+        self.layers = [_quantize_layer(target, i, config, group)
+                       for i in range(target.num_layers)]
         self.name = f"int4-g{group}-v{vocab or 'full'}"
 
     def nbytes(self) -> int:

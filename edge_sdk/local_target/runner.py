@@ -12,7 +12,7 @@ next pass.
 
 The model is built on the ``meta`` device (no memory), then only the resident tensors
 are materialised from the checkpoint; the streamed layers stay on ``meta`` and run
-through :attr:`OffloadedTarget.buffer`, a decoder layer whose parameters are
+through :attr:`OffloadedTarget.buffers`, decoder layers whose parameters are
 overwritten from :class:`~edge_sdk.local_target.storage.Storage` before each use. The
 embedding table may stay on storage too (``resident_embed=False``): a lookup reads
 only the rows of the new tokens (H*2 bytes each in bf16).
@@ -30,7 +30,7 @@ weight is freed before the next is packed) and the LM head is built as a
 with the draft's vocabulary as its own chunks. Every resident byte is then a packed
 byte: the same count (no padding at these shapes) and no dense copy, so the budget's
 ``M(R)`` is unchanged; :meth:`OffloadedTarget.resident_bytes` counts the packed
-tensors. The streamed layers stay dense in :attr:`OffloadedTarget.buffer`: they get new
+tensors. The streamed layers stay dense in :attr:`OffloadedTarget.buffers`: they get new
 weights per pass, and a repack would cost the reorder that ``F.linear`` does anyway.
 A tied head (no ``lm_head.weight`` in the file: it is the resident embedding) and
 ``pack_head=False`` (the early-exit draft reads the dense head's rows) keep the head
@@ -137,7 +137,6 @@ class OffloadedTarget:
         inner.rotary_emb = type(inner.rotary_emb)(config=config)      # real inv_freq
         n_buf = 0 if self.R == L else (2 if prefetch else 1)
         self.buffers = [self._make_buffer() for _ in range(n_buf)]
-        self.buffer = self.buffers[0] if self.buffers else None
         self._loaded = [None] * n_buf         # layer id each buffer holds (or is reading)
         self._pending = None                  # (buffer index, future) of the read in flight
         self._pool = None

@@ -136,7 +136,6 @@ def build_local(name: str, budget, storage: str = "nvme", dtype: str = "bfloat16
         LookupError: no cached head and no calibration.
     """
     from edge_sdk.models import eos_ids
-    from edge_sdk.local_target.storage import PROFILES
 
     if method not in ("cats", "ar"):
         raise ValueError(f"local method {method!r}: expected cats or ar")
@@ -148,16 +147,12 @@ def build_local(name: str, budget, storage: str = "nvme", dtype: str = "bfloat16
         from edge_sdk.local_target.quant import QuantDraft
         local.head = QuantDraft(local.target, DRAFT_VOCAB)
     elif method == "cats" and local.plan.exit_layer:
-        store = local.target.storage
-        prof, store.profile = store.profile, PROFILES["ram"]     # fit unthrottled
-        try:
+        with local.target.storage.unthrottled():                    # fit unthrottled
             seqs = None
             if calibration is not None:
                 from edge_sdk.exit_store import load_exit_head
                 if load_exit_head(local.target.model, local.plan.exit_layer, 32768) is None:
                     seqs = calibration(local.tokenizer)
             local.head = local_head(local.target, local.plan.exit_layer, 32768, seqs)
-        finally:
-            store.profile = prof
     eos = tuple(eos_ids(local.target.model, local.tokenizer))
     return LocalSession(local, eos, method, depth)

@@ -18,6 +18,7 @@ the missing time (after the real copy) is slept, and counted in :attr:`Storage.s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -106,6 +107,17 @@ class Storage:
                         for k, v in header.items()}
         self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         self._can_populate = True
+
+    @contextlib.contextmanager
+    def unthrottled(self):
+        """Reads inside the block are not slowed to the profile's bandwidth (a one-off
+        build: fitting a head, quantizing a draft; not a pass); the profile is restored
+        after it, whatever happens."""
+        prof, self.profile = self.profile, PROFILES["ram"]
+        try:
+            yield self
+        finally:
+            self.profile = prof
 
     def close(self) -> None:
         """Unmap the file (idempotent)."""
