@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edge_sdk.exit_head import ExitHead
-from edge_sdk.local_target.budget import NODES
+from edge_sdk.local_target.budget import MAX_DEPTH, NODES, QUANT_MAX_DEPTH
 from edge_sdk.local_target.dyntree import greedy_path, rerank, rows_mask, top_children
 from edge_sdk.local_target.runner import OffloadedTarget
 from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
@@ -52,7 +52,11 @@ from edge_sdk.local_target.siblings import (full_inputs, greedy_tree_verdict,
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 
-__all__ = ["LocalStats", "CatsDecoder", "ExitDraft", "decode_ar", "verify_block"]
+__all__ = ["LocalStats", "CatsDecoder", "ExitDraft", "decode_ar", "verify_block",
+           "MAX_BLOCK"]
+
+MAX_BLOCK = max(MAX_DEPTH, QUANT_MAX_DEPTH)
+"""The deepest block any plan drafts (:mod:`.budget`)."""
 
 
 @dataclass
@@ -176,8 +180,8 @@ class CatsDecoder:
         target: the budgeted target. head: the exit head at layer ``E = head.layer``
             (E <= leading resident layers: drafting reads nothing from storage), or a
             draft object with ``split``, ``step`` and ``release``
-            (:class:`ExitDraft`, :class:`~.skip.SkipDraft`).
-        depth: the most draft tokens per block (1..16). gate: the cascade's gate on the
+            (:class:`ExitDraft`, :class:`~.skip.SkipDraft`, :class:`~.quant.QuantDraft`).
+        depth: the most draft tokens per block (1.. :data:`MAX_BLOCK`). gate: the cascade's gate on the
             block's draft probability (0: off). width: 1 + the number of sibling
             candidates in the block, at the chain positions the draft is least sure
             to reach past (greedy, :mod:`.siblings`; 1: a chain). siblings: the
@@ -190,15 +194,15 @@ class CatsDecoder:
             siblings by ``width``). nodes: the most tree nodes the full pass verifies
             (the root, the context's last token, is one more row).
     Raises:
-        ValueError: the exit layer is not resident or depth is outside 1..16.
+        ValueError: the exit layer is not resident or depth is outside 1..MAX_BLOCK.
     """
 
     def __init__(self, target: OffloadedTarget, head, depth: int,
                  gate: float = 0.0, width: int = 1, siblings=tree_siblings,
                  beam: int = 1, nodes: int = NODES):
         draft = ExitDraft(target, head) if isinstance(head, ExitHead) else head
-        if not 1 <= depth <= 16:
-            raise ValueError(f"depth {depth} outside 1..16")
+        if not 1 <= depth <= MAX_BLOCK:
+            raise ValueError(f"depth {depth} outside 1..{MAX_BLOCK}")
         self.t, self.draft, self.depth, self.gate = target, draft, int(depth), float(gate)
         self.E, self.width, self.sibling_hits = draft.split, max(1, int(width)), 0
         self.siblings = siblings

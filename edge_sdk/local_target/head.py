@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from edge_sdk.exit_head import leading_run
+from edge_sdk.exit_head import _head_rows, full_vocab, leading_run, restricted_vocab
 from edge_sdk.packed import PackedLinear, try_pack
 
-__all__ = ["PackedHead", "CHUNK_ROWS", "packed_nbytes"]
+__all__ = ["PackedHead", "DraftVocabHead", "CHUNK_ROWS", "packed_nbytes"]
 
 CHUNK_ROWS = 8192
 """Rows per packed chunk (bf16, H=1536: 25 MB, the build's transient; a multiple of
@@ -135,3 +135,32 @@ class PackedHead(torch.nn.Module):
         if self.extra_chunk is not None:
             parts.append(self.extra_chunk(h))
         return torch.cat(parts, -1)
+
+
+class DraftVocabHead:
+    """The final norm + LM head of ``target`` (an
+    :class:`~.runner.OffloadedTarget`) over a draft vocabulary (the first ``vocab``
+    ids plus the special ones, :func:`edge_sdk.exit_head.restricted_vocab`; None: all),
+    so a draft's head costs a fraction of the full one (FR-Spec's frequency-ranked
+    subset). With the target's :class:`~.head.PackedHead` built for this vocabulary,
+    only its draft chunks run (no extra byte)."""
+
+    def __init__(self, target, vocab: int | None = 32768):
+        self.t = target
+        self.vocab_ids = restricted_vocab(target.model, vocab)
+        head = target.model.lm_head
+        if isinstance(head, PackedHead):        # packed: its draft chunks, or the full head
+            same = (head.draft_ids is not None and self.vocab_ids is not None
+                    and torch.equal(head.draft_ids, self.vocab_ids))
+            self._sub = head.draft if same else (
+                head if self.vocab_ids is None else lambda h: head(h)[..., self.vocab_ids])
+        else:
+            rows = _head_rows(head.weight, self.vocab_ids)
+            self._sub = lambda h: torch.cat([h @ r.T for r in rows], -1)
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + the restricted head of a last layer's output [T, H] -> float32
+        [T, V] (ids outside the draft vocabulary: ``-inf``)."""
+        small = self._sub(self.t.model.model.norm(h)).float()
+        return full_vocab(small, self.vocab_ids, int(self.t.config.vocab_size))

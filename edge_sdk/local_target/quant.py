@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 from edge_sdk.local_target.runner import OffloadedTarget
-from edge_sdk.local_target.skip import DraftVocabHead
+from edge_sdk.local_target.head import DraftVocabHead
 
 __all__ = ["Int4Linear", "QuantDraft", "GROUP", "int4_supported", "int4_layer_bytes"]
 
@@ -178,7 +178,7 @@ class QuantDraft:
         target: the budgeted :class:`OffloadedTarget` (its embedding, final norm and LM
             head are the draft's too; a bf16 target computes in bf16 throughout).
         vocab: the draft's vocabulary (the first ``vocab`` ids + the special ones,
-            :class:`~.skip.DraftVocabHead`; None: all).
+            :class:`~.head.DraftVocabHead`; None: all).
         group: input weights per quantization group.
         attention: the draft layers' attention: ``grouped`` (:func:`grouped_attention`)
             or a transformers implementation (``sdpa``, ``eager``; for comparison).

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from edge_sdk.exit_head import _head_rows, full_vocab, restricted_vocab
-from edge_sdk.local_target.head import PackedHead
+from edge_sdk.local_target.head import DraftVocabHead
 from edge_sdk.local_target.runner import OffloadedTarget
 
-__all__ = ["SkipDraft", "DraftVocabHead", "layer_ranges"]
+__all__ = ["SkipDraft", "layer_ranges"]
 
 
 def layer_ranges(layers) -> str:
@@ -48,34 +47,6 @@ def _ranges(tail: tuple, L: int) -> str:
     """The name's tail: ``R2`` when it is the last ``R2`` of ``L`` layers, else its
     ranges."""
     return str(len(tail)) if tail == tuple(range(L - len(tail), L)) else layer_ranges(tail)
-
-
-class DraftVocabHead:
-    """The target's final norm + LM head over a draft vocabulary (the first ``vocab``
-    ids plus the special ones, :func:`edge_sdk.exit_head.restricted_vocab`; None: all),
-    so a draft's head costs a fraction of the full one (FR-Spec's frequency-ranked
-    subset). With the target's :class:`~.head.PackedHead` built for this vocabulary,
-    only its draft chunks run (no extra byte)."""
-
-    def __init__(self, target: OffloadedTarget, vocab: int | None = 32768):
-        self.t = target
-        self.vocab_ids = restricted_vocab(target.model, vocab)
-        head = target.model.lm_head
-        if isinstance(head, PackedHead):        # packed: its draft chunks, or the full head
-            same = (head.draft_ids is not None and self.vocab_ids is not None
-                    and torch.equal(head.draft_ids, self.vocab_ids))
-            self._sub = head.draft if same else (
-                head if self.vocab_ids is None else lambda h: head(h)[..., self.vocab_ids])
-        else:
-            rows = _head_rows(head.weight, self.vocab_ids)
-            self._sub = lambda h: torch.cat([h @ r.T for r in rows], -1)
-
-    @torch.inference_mode()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + the restricted head of a last layer's output [T, H] -> float32
-        [T, V] (ids outside the draft vocabulary: ``-inf``)."""
-        small = self._sub(self.t.model.model.norm(h)).float()
-        return full_vocab(small, self.vocab_ids, int(self.t.config.vocab_size))
 
 
 class SkipDraft:
