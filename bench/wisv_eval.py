@@ -144,8 +144,13 @@ class EvalConfig:
             blocks on a bad link). head: the server's decision head (``auto`` or a path).
         max_per_block, strict, relaxed: the server's per-block cap and thresholds (as
             ``serve --wisv-max-per-block/--wisv-strict/--wisv-relaxed``; None: its
-            defaults, 4 / 0.90 / 0.35).
+            defaults, 4 / 0.90 / 0.35). opening: where semantic acceptance starts (as
+            ``serve --wisv-opening``; None: the server's, ``line``).
         timeout_s: per-completion execution timeout (s). quick: the ``--quick`` preset.
+        split: ``eval`` (the first problems of the seed-0 order, never seen by the head)
+            or ``dev`` (the problems after the held-out boundary: the decision head's
+            training problems, so in-sample for the head; for checking a serving rule
+            on problems the evaluation does not report).
     """
 
     target: str = "qwen2.5-coder-1.5b"
@@ -160,8 +165,10 @@ class EvalConfig:
     max_per_block: int | None = None
     strict: float | None = None
     relaxed: float | None = None
+    opening: str | None = None
     timeout_s: float = 5.0
     quick: bool = False
+    split: str = "eval"
 
     QUICK = {"profiles": ["cellular-edge"], "n_code": 40, "n_chat": 4,
              "max_new_tokens": 192, "chat_tokens": 48}
@@ -178,13 +185,35 @@ class EvalConfig:
         if profiles:
             over["profiles"] = [p.strip() for p in profiles.split(",") if p.strip()]
         cfg = replace(cfg, **over)
-        if cfg.n_code > HELDOUT_START["humaneval"] or cfg.n_chat > HELDOUT_START["mtbench"]:
+        if cfg.split not in SPLITS:
+            raise ValueError(f"split {cfg.split!r}: one of {', '.join(SPLITS)}")
+        if cfg.split == "dev":
+            if cfg.n_code > 164 - HELDOUT_START["humaneval"] or cfg.n_chat > 80 - \
+                    HELDOUT_START["mtbench"]:
+                raise ValueError(f"the dev split holds {164 - HELDOUT_START['humaneval']} "
+                                 f"HumanEval and {80 - HELDOUT_START['mtbench']} MT-Bench "
+                                 "prompts")
+        elif cfg.n_code > HELDOUT_START["humaneval"] or cfg.n_chat > HELDOUT_START["mtbench"]:
             raise ValueError(f"at most {HELDOUT_START['humaneval']} HumanEval and "
                              f"{HELDOUT_START['mtbench']} MT-Bench prompts: the later ones "
                              "train the decision head")
         if cfg.n_code + cfg.n_chat == 0 or not cfg.profiles:
             raise ValueError("nothing to evaluate (no prompts or no profiles)")
         return cfg
+
+
+SPLITS = ("eval", "dev")
+
+
+def split_prompts(name: str, n: int, split: str = "eval") -> list:
+    """The first ``n`` prompts of workload ``name`` in a split of the seed-0 order:
+    ``eval`` from its start, ``dev`` from the held-out boundary
+    (:data:`cloud_api.exit_fit.HELDOUT_START`, the decision head's training prompts)."""
+    from cloud_api.exit_fit import HELDOUT_START
+    from specrelay_data.workloads import load_workload
+
+    start = HELDOUT_START[name] if split == "dev" else 0
+    return load_workload(name, None, 0)[start:start + n]
 
 
 def _bench_config(cfg: EvalConfig, prompt_sets: dict):
@@ -199,7 +228,8 @@ def _bench_config(cfg: EvalConfig, prompt_sets: dict):
         target=cfg.target, draft=cfg.draft, prompt_sets=prompt_sets,
         mode_options={m: {"generate": gen} for m in (EXACT, SEMANTIC)},
         server_kw={"wisv_head": cfg.head, "wisv_max_per_block": cfg.max_per_block,
-                   "wisv_strict": cfg.strict, "wisv_relaxed": cfg.relaxed})
+                   "wisv_strict": cfg.strict, "wisv_relaxed": cfg.relaxed,
+                   "wisv_opening": cfg.opening})
 
 
 def _read_records(path: Path) -> list[dict]:
@@ -346,18 +376,18 @@ def run_eval(cfg: EvalConfig, out: str | Path, progress: bool = True,
     for missing data packages."""
     from bench.harness import run_bench
     from edge_sdk.models import load_tokenizer
-    from specrelay_data.workloads import humaneval_problems, load_workload
+    from specrelay_data.workloads import humaneval_problems
 
     t0 = time.monotonic()
     out = Path(out)
     prompt_sets = {}
-    if cfg.n_code:
-        prompt_sets["humaneval"] = load_workload("humaneval", cfg.n_code, 0)
-    if cfg.n_chat:
-        prompt_sets["mtbench"] = load_workload("mtbench", cfg.n_chat, 0)
+    for name, n in (("humaneval", cfg.n_code), ("mtbench", cfg.n_chat)):
+        if n:
+            prompt_sets[name] = split_prompts(name, n, cfg.split)
     log(f"wisv eval: {cfg.n_code} HumanEval x {cfg.max_new_tokens} tokens, {cfg.n_chat} "
         f"MT-Bench x {cfg.chat_tokens} tokens, modes {EXACT} (exact) and {SEMANTIC} "
-        f"(semantic), profiles {','.join(cfg.profiles)}")
+        f"(semantic), profiles {','.join(cfg.profiles)}"
+        + ("; dev split (the head's training problems)" if cfg.split == "dev" else ""))
     results = run_bench(_bench_config(cfg, prompt_sets), out / "bench", progress=progress,
                         log=log)
     t_bench = time.monotonic() - t0
