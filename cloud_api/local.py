@@ -52,7 +52,7 @@ def local_server(target, tokenizer, *, name: str = "local-ephemeral", rpm: int =
             :func:`cloud_api.wisv.serving.semantic_for` builds one from a head file),
             or the ``serve`` options ``wisv_head`` (PATH, ``auto``: the shipped head of
             ``preset``, ``off``), ``wisv_strict``, ``wisv_relaxed``,
-            ``wisv_max_per_block``, ``wisv_opening``.
+            ``wisv_max_per_block``.
         preset: the target's preset name (for ``wisv_head="auto"``).
     Yields:
         A :class:`LocalServer`; the server stops (in-flight requests finish) on exit.

@@ -48,8 +48,6 @@ class CloudService:
         self.model, self.tokenizer = model, tokenizer
         if verifier is not None and semantic is not None:
             raise ValueError("semantic acceptance needs the torch verifier (hidden states)")
-        if semantic is not None:                 # the opening rule reads line breaks
-            semantic.bind(tokenizer, int(model.config.vocab_size))
         self.verifier = verifier or Verifier(model, max_block, early_head, semantic)
         if metrics is not None:
             self.verifier.on_early_outcome = (

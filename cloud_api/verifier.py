@@ -348,16 +348,14 @@ class Verifier:
             a, nxt = S.greedy_verify(blk, x)
             sem = None
             if s.acceptance == "semantic":
-                first = self.semantic.first_allowed(context[s.prompt_len:], block) \
-                    if self.semantic is not None else 0
-                a, nxt, sem = self._semantic_walk(req, blk, x, hidden, a, nxt, first)
+                a, nxt, sem = self._semantic_walk(req, blk, x, hidden, a, nxt)
             return a, nxt, None, None, self.tie_offsets(x[: a + 1]), sem
         p = torch.softmax(x, dim=-1)
         a, nxt, corr, p_rej = self._sample_verdict(s, req, logits, p, context, block, gen)
         return a, nxt, corr, p_rej, (), None
 
     def _semantic_walk(self, req: VerifyRequest, blk: torch.Tensor, x: torch.Tensor,
-                       hidden: torch.Tensor | None, a: int, nxt: int, first: int = 0
+                       hidden: torch.Tensor | None, a: int, nxt: int
                        ) -> tuple[int, int, tuple]:
         """WISV's greedy verdict (WISV §III-A): from the exact verdict ``(a, nxt)`` of
         draft ``blk`` [g] on processed rows ``x`` [g+1, V], walk on along the block. At
@@ -365,14 +363,11 @@ class Verifier:
         LM head's input) and the row; the draft is accepted when P(accept) >= tau(the
         request's channel), and the walk goes on (the row after it is conditioned on
         it already); otherwise, or past ``max_per_block`` semantic acceptances, the
-        block stops there with the argmax as next token. No draft before offset ``first``
-        is accepted semantically (the answer's opening,
-        :meth:`~cloud_api.wisv.serving.SemanticAcceptance.first_allowed`). One head call
-        per block with a mismatch at or past ``first``. Returns ``(accepted, next token,
-        semantic offsets)``."""
+        block stops there with the argmax as next token. One head call per block with
+        a mismatch. Returns ``(accepted, next token, semantic offsets)``."""
         g = blk.numel()
         sa = self.semantic
-        if a == g or a < first:
+        if a == g:
             return a, nxt, ()
         if sa is None or hidden is None:
             raise AssertionError("a semantic session without a decision head or hidden "

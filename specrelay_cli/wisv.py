@@ -233,9 +233,6 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
               "[default: 0.9].")
 @click.option("--relaxed", default=None, type=click.FloatRange(0, 1, min_open=True),
               help="Threshold on a bad link (as `serve --wisv-relaxed`) [default: 0.35].")
-@click.option("--opening", default=None, type=click.Choice(["line", "off"]),
-              help="Where semantic acceptance starts (as `serve --wisv-opening`) "
-              "[default: the server's, line].")
 @click.option("--split", default="eval", type=click.Choice(["eval", "dev"]),
               help="eval: the first problems of the seed-0 order (never seen by the "
               "head); dev: the 64 HumanEval / 32 MT-Bench prompts after them, the "
@@ -245,7 +242,7 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
               help="Folder for wisv_eval.json, wisv_eval.png and requests.jsonl.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_tokens,
-          depth, head, max_per_block, strict, relaxed, opening, split, out, no_progress):
+          depth, head, max_per_block, strict, relaxed, split, out, no_progress):
     """Exact vs semantic acceptance on the same prompts and seeds, HumanEval executed.
 
     \b
@@ -260,7 +257,7 @@ def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_t
                             n_code=n_code, n_chat=n_chat, max_new_tokens=max_new_tokens,
                             chat_tokens=chat_tokens, depth=depth, head=head,
                             max_per_block=max_per_block, strict=strict, relaxed=relaxed,
-                            opening=opening, split=split)
+                            split=split)
     from cloud_api.wisv.threshold import ThresholdPolicy
 
     try:                                 # the server would refuse it after loading

@@ -205,7 +205,7 @@ def test_bench_config_of_the_eval():
     assert gen["mtbench"]["max_new_tokens"] == cfg.chat_tokens
     assert bc.mode_options[W.EXACT] == bc.mode_options[W.SEMANTIC]
     assert bc.server_kw == {"wisv_head": "auto", "wisv_max_per_block": None,
-                            "wisv_strict": None, "wisv_relaxed": None, "wisv_opening": None}
+                            "wisv_strict": None, "wisv_relaxed": None}
 
 
 def test_eval_cli_passes_the_cap_and_thresholds_to_the_server():
@@ -216,10 +216,9 @@ def test_eval_cli_passes_the_cap_and_thresholds_to_the_server():
     from cloud_api.wisv.serving import OPTION_KEYS
     from specrelay_cli.wisv import wisv
 
-    cfg = W.EvalConfig.preset(True, max_per_block=4, relaxed=0.4, opening="off")
+    cfg = W.EvalConfig.preset(True, max_per_block=4, relaxed=0.4)
     kw = W._bench_config(cfg, {"humaneval": [object()]}).server_kw
     assert kw["wisv_max_per_block"] == 4 and kw["wisv_relaxed"] == 0.4
-    assert kw["wisv_opening"] == "off"
     assert kw["wisv_strict"] is None
     assert set(kw) <= set(OPTION_KEYS)
     deep = W._bench_config(W.EvalConfig.preset(True, depth=None), {"humaneval": [object()]})
@@ -289,8 +288,7 @@ def test_cli_help_states_the_library_defaults():
     """The CLI modules avoid importing the WISV package, so their help texts and the
     ``serve --wisv-max-per-block`` default copy the library's constants; this pins the
     copies to the constants (a change of default must change both)."""
-    from cloud_api.wisv.serving import (DEFAULT_MAX_PER_BLOCK, DEFAULT_OPENING,
-                                        OPENING_MAX_TOKENS, OPENINGS)
+    from cloud_api.wisv.serving import DEFAULT_MAX_PER_BLOCK
     from cloud_api.wisv.threshold import ThresholdPolicy
     from specrelay_cli.serve import serve
     from specrelay_cli.wisv import wisv
@@ -298,23 +296,19 @@ def test_cli_help_states_the_library_defaults():
     policy = ThresholdPolicy()
     opts = {p.name: p for p in serve.params}
     assert opts["wisv_max_per_block"].default == DEFAULT_MAX_PER_BLOCK
-    assert opts["wisv_opening"].default == DEFAULT_OPENING
-    assert tuple(opts["wisv_opening"].type.choices) == OPENINGS
-    assert f"at most {OPENING_MAX_TOKENS} tokens" in opts["wisv_opening"].help
     assert f"(default {policy.strict:g})" in opts["wisv_strict"].help
     assert f"(default {policy.relaxed:g})" in opts["wisv_relaxed"].help
     ev = {p.name: p for p in wisv.commands["eval"].params}
     assert f"[default: the server's, {DEFAULT_MAX_PER_BLOCK}]" in ev["max_per_block"].help
     assert f"[default: {policy.strict:g}]" in ev["strict"].help
     assert f"[default: {policy.relaxed:g}]" in ev["relaxed"].help
-    assert f"[default: the server's, {DEFAULT_OPENING}]" in ev["opening"].help
     assert f"[default: {W.EvalConfig().depth}]" in ev["depth"].help
 
 
 def test_dev_split_is_the_heads_training_prompts():
     """``--split dev`` evaluates the prompts after the held-out boundary (the head's
     training prompts), disjoint from the evaluated ones; its sizes are checked before
-    anything loads and the CLI passes the split and the opening rule through."""
+    anything loads (the CLI says so in one line)."""
     from click.testing import CliRunner
 
     from cloud_api.exit_fit import HELDOUT_START

@@ -36,8 +36,7 @@ from cloud_api.local import local_server
 from cloud_api.service import CloudService
 from cloud_api.sessions import ApiError
 from cloud_api.wisv.head import DecisionHead, save_head
-from cloud_api.wisv.serving import (OPENING_MAX_TOKENS, LineTokens, SemanticAcceptance,
-                                    opening_length, semantic_for)
+from cloud_api.wisv.serving import SemanticAcceptance, semantic_for
 from cloud_api.wisv.threshold import ChannelState, ThresholdPolicy
 from edge_sdk import EdgeClient, SamplingConfig
 from edge_sdk.channel import UNKNOWN_UPLINK_BPS, ChannelEstimator
@@ -72,9 +71,8 @@ def head_with(p: float | None = None, bias: float | None = None) -> DecisionHead
     return h
 
 
-def semantic(p=None, bias=None, cap=2, opening="off", **policy) -> SemanticAcceptance:
-    return SemanticAcceptance(head_with(p, bias), ThresholdPolicy(**policy), cap,
-                              opening=opening)
+def semantic(p=None, bias=None, cap=2, **policy) -> SemanticAcceptance:
+    return SemanticAcceptance(head_with(p, bias), ThresholdPolicy(**policy), cap)
 
 
 class Recording(InProcessTransport):
@@ -225,12 +223,6 @@ def test_head_settings(tmp_path):
         semantic_for(str(path), H)
     with pytest.raises(ValueError):
         SemanticAcceptance(head_with(bias=0.0), max_per_block=0)
-    with pytest.raises(ValueError):
-        SemanticAcceptance(head_with(bias=0.0), opening="first")
-    with pytest.raises(ValueError, match="opening"):
-        semantic_for(str(tmp_path / "any.safetensors"), H, opening="first")
-    with pytest.raises(RuntimeError, match="bind"):          # the rule reads line breaks
-        SemanticAcceptance(head_with(bias=0.0)).first_allowed([1], [2])
 
 
 def test_in_process_servers_take_the_serve_options(target, tok, tmp_path):
@@ -247,67 +239,7 @@ def test_in_process_servers_take_the_serve_options(target, tok, tmp_path):
             pass
 
 
-# ----------------------------------------------------------------------------- opening
-
-def _lines(newline=(), lead=(), blank=()) -> LineTokens:
-    """LineTokens over V ids: ``newline`` ids break a line, ``lead`` ones after content
-    of their own, ``blank`` ids are whitespace; every other id is content."""
-    nl, ld, ct = (torch.zeros(V, dtype=torch.bool) for _ in range(3))
-    nl[list(newline) + list(lead)] = True
-    ld[list(lead)] = True
-    ct[:] = True
-    ct[list(newline) + list(blank)] = False
-    return LineTokens(nl, ld, ct)
-
-
-def test_opening_length():
-    L = _lines(newline=[10], lead=[11], blank=[12])
-    assert opening_length([], L) == 1 and opening_length([5, 6], L) == 3   # not over
-    assert opening_length([5, 6, 10, 7], L) == 3          # content, then a line break
-    assert opening_length([10, 12, 10, 5, 10, 7], L) == 5  # leading blank lines: not yet
-    assert opening_length([12, 11, 7], L) == 2             # ")\n": content, then its break
-    assert opening_length([5] * 100, L) == OPENING_MAX_TOKENS
-    assert opening_length([5] * 100 + [10], L, max_tokens=8) == 8
-
-
-def test_opening_on_the_targets_tokenizer():
-    """The real pair's tokenizer: a code answer's opening is its first statement line,
-    a paragraph's is capped."""
-    pytest.importorskip("gguf")
-    from edge_sdk.models import load_tokenizer
-    try:
-        qt = load_tokenizer("qwen2.5-coder-1.5b")
-    except Exception as e:                               # the data packages absent
-        pytest.skip(f"no Qwen tokenizer: {e}")
-    L = LineTokens.from_tokenizer(qt, 151936)
-    for text, opening in (("    # Your code here\n    pass\n", "    # Your code here\n"),
-                          ("\n\n    return sorted(x)\n", "\n\n    return sorted(x)\n"),
-                          ("    if not s:\n        return 0\n", "    if not s:\n")):
-        ids = qt.encode(text)
-        assert qt.decode(ids[:opening_length(ids, L)]) == opening
-    ids = qt.encode("Sure, here is a long answer without a line break " * 8)
-    assert opening_length(ids, L) == OPENING_MAX_TOKENS
-
-
-def test_the_opening_stays_exact(target, rough, tok):
-    """An always-accepting head with ``opening="line"`` accepts nothing semantically
-    before the answer's first line break (every token there is the target's argmax)
-    and still accepts after it; with ``opening="off"`` it accepts inside the opening."""
-    ref = generate(InProcessTransport(CloudService(target, tok)), rough, tok, n=32)
-    brk = ref.token_ids[6]                    # the exact answer's 7th token breaks a line
-    lines = _lines(lead=[brk])
-    runs = {}
-    for opening in ("line", "off"):
-        sa = semantic(bias=50.0, cap=3, opening=opening)
-        sa.lines = lines                       # bind() keeps a table already set
-        res = generate(InProcessTransport(CloudService(target, tok, semantic=sa)), rough,
-                       tok, n=32, acceptance="semantic")
-        runs[opening] = res
-    line, off = runs["line"], runs["off"]
-    first = opening_length(line.token_ids, lines)
-    assert first == 7 and line.token_ids[:7] == ref.token_ids[:7]
-    assert not any(line.semantic[:first]) and any(line.semantic[first:])
-    assert any(off.semantic[:7])
+# ----------------------------------------------------------------------------- exact mode
 
 def test_exact_mode_bit_for_bit_with_a_head_loaded(target, draft, tok, frozen_clock):
     """Same request and response bytes with and without a head; the head and the
@@ -609,8 +541,7 @@ def test_cli_flags(tmp_path):
                                   "--temperature", "0.7"])
     assert r.exit_code == 2 and "--acceptance" in r.output
     r = CliRunner().invoke(main, ["serve", "--help"])
-    for opt in ("--wisv-head", "--wisv-strict", "--wisv-relaxed", "--wisv-max-per-block",
-                "--wisv-opening"):
+    for opt in ("--wisv-head", "--wisv-strict", "--wisv-relaxed", "--wisv-max-per-block"):
         assert opt in r.output
     r = CliRunner().invoke(main, ["serve", "--port", port, "--wisv-head",
                                   str(tmp_path / "none.safetensors")])
