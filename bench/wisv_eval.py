@@ -185,12 +185,14 @@ class EvalConfig:
         cfg = replace(cfg, **over)
         if cfg.split not in SPLITS:
             raise ValueError(f"split {cfg.split!r}: one of {', '.join(SPLITS)}")
-        if cfg.split == "dev":
-            if cfg.n_code > 164 - HELDOUT_START["humaneval"] or cfg.n_chat > 80 - \
-                    HELDOUT_START["mtbench"]:
-                raise ValueError(f"the dev split holds {164 - HELDOUT_START['humaneval']} "
-                                 f"HumanEval and {80 - HELDOUT_START['mtbench']} MT-Bench "
-                                 "prompts")
+        if cfg.split == "dev":             # unset counts: the whole split
+            size = dev_sizes()
+            cfg = replace(cfg, **{k: min(getattr(cfg, k), size[w]) for k, w in
+                                  (("n_code", "humaneval"), ("n_chat", "mtbench"))
+                                  if k not in over})
+            if cfg.n_code > size["humaneval"] or cfg.n_chat > size["mtbench"]:
+                raise ValueError(f"the dev split holds {size['humaneval']} HumanEval and "
+                                 f"{size['mtbench']} MT-Bench prompts")
         elif cfg.n_code > HELDOUT_START["humaneval"] or cfg.n_chat > HELDOUT_START["mtbench"]:
             raise ValueError(f"at most {HELDOUT_START['humaneval']} HumanEval and "
                              f"{HELDOUT_START['mtbench']} MT-Bench prompts: the later ones "
@@ -201,6 +203,15 @@ class EvalConfig:
 
 
 SPLITS = ("eval", "dev")
+
+
+def dev_sizes() -> dict:
+    """Prompts per workload in the dev split (those after the held-out boundary).
+    Raises RuntimeError when a data package is missing."""
+    from cloud_api.exit_fit import HELDOUT_START
+    from specrelay_data.workloads import load_workload
+
+    return {w: len(load_workload(w)) - HELDOUT_START[w] for w in ("humaneval", "mtbench")}
 
 
 def split_prompts(name: str, n: int, split: str = "eval") -> list:

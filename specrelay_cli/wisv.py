@@ -219,8 +219,8 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
 @click.option("--profiles", default=None, help="Comma list of network profiles "
               "[default: weak,cellular-edge; --quick: cellular-edge].")
 @click.option("--humaneval", "n_code", default=None, type=click.IntRange(0, 100),
-              help="HumanEval problems, the first of the seed-0 order [default: 100; "
-              "--quick: 40].")
+              help="HumanEval problems, the first of the split in the seed-0 order "
+              "[default: 100 (dev: 64); --quick: 40].")
 @click.option("--mtbench", "n_chat", default=None, type=click.IntRange(0, 48),
               help="MT-Bench questions [default: 16; --quick: 4].")
 @click.option("--max-new-tokens", default=None, type=click.IntRange(1),

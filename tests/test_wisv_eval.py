@@ -323,7 +323,11 @@ def test_dev_split_is_the_heads_training_prompts():
     assert [p.id for p in dev] == [p.id for p in load_workload("humaneval", None, 0)[
         HELDOUT_START["humaneval"]:]]
     assert len(W.split_prompts("mtbench", 40, "dev")) == 80 - HELDOUT_START["mtbench"]
+    assert W.dev_sizes() == {"humaneval": 64, "mtbench": 32}
     assert W.EvalConfig.preset(False, split="dev", n_code=64, n_chat=32).split == "dev"
+    whole = W.EvalConfig.preset(False, split="dev")          # unset counts: the whole split
+    assert (whole.n_code, whole.n_chat) == (64, W.EvalConfig().n_chat)
+    assert W.EvalConfig.preset(True, split="dev").n_code == 40
     for bad in ({"n_code": 65}, {"n_chat": 33}, {"split": "test"}):
         with pytest.raises(ValueError):
             W.EvalConfig.preset(False, **{"split": "dev", **bad})
