@@ -26,16 +26,41 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["check_labels", "auc", "write_features"]
+__all__ = ["check_labels", "harm_report", "write_features"]
+
+THRESHOLDS = (0.35, 0.57, 0.67, 0.80)
+"""Head thresholds the harm report tabulates: the relaxed bar, cellular-edge's and
+weak's with the defaults, and a strict one."""
 
 
-def auc(pos, neg) -> float | None:
-    """ROC AUC of scores ``pos`` over ``neg`` (Mann-Whitney, ties count half); None when
-    either is empty."""
-    if not pos or not neg:
-        return None
-    wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
-    return round(wins / (len(pos) * len(neg)), 4)
+def harm_report(rows: list[dict], thresholds=THRESHOLDS) -> dict:
+    """How the gap and the head's P(accept) of executed mismatches (``rows`` of
+    :func:`check_labels`) separate the harmful ones (target's branch passes, draft's
+    fails) from the safe ones (ROC AUC, :func:`cloud_api.wisv.train.auc`), and per
+    threshold tau the mismatches the head accepts (``head_p >= tau``) with their draft-only
+    and target-only passes (``net``: their difference per accepted mismatch)."""
+    import torch
+
+    from cloud_api.wisv.train import auc
+
+    run = [r for r in rows if "draft_passed" in r and "target_passed" in r]
+    tp = [r for r in run if r["target_passed"]]
+    harmed = torch.tensor([not r["draft_passed"] for r in tp], dtype=torch.float64)
+    score = lambda k: torch.tensor([r[k] for r in tp], dtype=torch.float64)  # noqa: E731
+    out = {"t_passes": len(tp), "harmed": int(harmed.sum()),
+           "auc_gap": round(auc(score("gap"), 1 - harmed), 4) if tp else None}
+    if run and run[0].get("head_p") is not None:
+        out["auc_head"] = round(auc(score("head_p"), 1 - harmed), 4) if tp else None
+        out["by_threshold"] = []
+        for tau in thresholds:
+            acc = [r for r in run if r["head_p"] >= tau]
+            gain = sum(r["draft_passed"] and not r["target_passed"] for r in acc)
+            loss = sum(r["target_passed"] and not r["draft_passed"] for r in acc)
+            out["by_threshold"].append({
+                "tau": tau, "accepted": len(acc), "draft_only_passes": gain,
+                "target_only_passes": loss,
+                "net": round((gain - loss) / len(acc), 3) if acc else None})
+    return out
 
 
 def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b",
@@ -128,19 +153,12 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
                 "same_outcome": (round(sum(r["draft_passed"] == r["target_passed"]
                                            for r in sel) / len(sel), 4) if sel else None)}
 
-    tp = [r for r in rows if r.get("target_passed") and "draft_passed" in r]
-    safe = [r for r in tp if r["draft_passed"]]
-    bad = [r for r in tp if not r["draft_passed"]]
-    harm = {"t_passes": len(tp), "harmed": len(bad),
-            "auc_gap": auc([r["gap"] for r in safe], [r["gap"] for r in bad])}
-    if dhead is not None:
-        harm["auc_head"] = auc([r["head_p"] for r in safe], [r["head_p"] for r in bad])
     feats = torch.stack([d.features[i] for _, d, i, _ in jobs]) if jobs else torch.zeros(0)
     return {"target": target, "draft": draft, "n": n, "delta": delta,
             "max_tokens": max_tokens, "head": str(hpath) if hpath else None,
             "problems": sorted({r["task_id"] for r in rows}),
             "acceptable": kept(True), "unacceptable": kept(False), "table": table,
-            "harm": harm, "rows": rows, "features": feats,
+            "harm": harm_report(rows), "rows": rows, "features": feats,
             "wall_s": round(time.monotonic() - t0, 1)}
 
 

@@ -336,15 +336,27 @@ def test_dev_split_is_the_heads_training_prompts():
 
 
 def test_label_check_harm_auc_and_features(tmp_path):
-    """The label check's AUC (Mann-Whitney, ties half) and its features file: the
-    head's inputs in the rows' order with both executed outcomes (-1: not run)."""
+    """The label check's harm report (AUCs and the per-threshold table, by hand) and its
+    features file: the head's inputs in the rows' order with both executed outcomes
+    (-1: not run)."""
     import torch
     from safetensors.torch import load_file
 
-    from bench.wisv_labels import auc, write_check
+    from bench.wisv_labels import harm_report, write_check
 
-    assert auc([3.0, 2.0], [1.0]) == 1.0 and auc([1.0], [2.0, 3.0]) == 0.0
-    assert auc([1.0, 2.0], [1.0, 0.0]) == 0.875 and auc([], [1.0]) is None
+    ex = [{"gap": 0.5, "head_p": 0.9, "target_passed": True, "draft_passed": True},
+          {"gap": -2.0, "head_p": 0.6, "target_passed": True, "draft_passed": False},
+          {"gap": -1.0, "head_p": 0.4, "target_passed": True, "draft_passed": True},
+          {"gap": -0.2, "head_p": 0.7, "target_passed": False, "draft_passed": True},
+          {"gap": 0.0, "head_p": 0.1}]                             # not executed
+    h = harm_report(ex, thresholds=(0.5, 0.8))
+    assert (h["t_passes"], h["harmed"]) == (3, 1)
+    assert h["auc_gap"] == 1.0 and h["auc_head"] == 0.5     # safe heads: 0.9 and 0.4 vs 0.6
+    assert h["by_threshold"] == [
+        {"tau": 0.5, "accepted": 3, "draft_only_passes": 1, "target_only_passes": 1,
+         "net": 0.0},
+        {"tau": 0.8, "accepted": 1, "draft_only_passes": 0, "target_only_passes": 0,
+         "net": 0.0}]
     rows = [{"gap": -0.5, "target_passed": True, "draft_passed": False},
             {"gap": 0.25, "target_passed": False, "draft_passed": True},
             {"gap": -3.0}]
