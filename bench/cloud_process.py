@@ -96,7 +96,8 @@ async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -
                                                  server_kw.pop("early_exit_preset", None))
     from cloud_api.wisv.serving import take_options
 
-    # WISV: wisv_head (PATH|auto|off), wisv_strict, wisv_relaxed, wisv_max_per_block
+    # WISV: wisv_head (PATH|auto|off), wisv_strict, wisv_relaxed, wisv_max_per_block,
+    # wisv_guard
     server_kw = take_options(server_kw, model, server_kw.pop("wisv_preset", None))
     app = create_app(model, tok, key_store=store, threads=threads, **server_kw)
     runner = web.AppRunner(app, handle_signals=False)

@@ -144,7 +144,8 @@ class EvalConfig:
             blocks on a bad link). head: the server's decision head (``auto`` or a path).
         max_per_block, strict, relaxed: the server's per-block cap and thresholds (as
             ``serve --wisv-max-per-block/--wisv-strict/--wisv-relaxed``; None: its
-            defaults, 4 / 0.90 / 0.35).
+            defaults, 4 / 0.90 / 0.35). guard: the server's token guard (as
+            ``serve --wisv-guard``; None: its default, ``operators``).
         timeout_s: per-completion execution timeout (s). quick: the ``--quick`` preset.
         split: ``eval`` (the first problems of the seed-0 order, never seen by the head)
             or ``dev`` (the problems after the held-out boundary: the decision head's
@@ -164,6 +165,7 @@ class EvalConfig:
     max_per_block: int | None = None
     strict: float | None = None
     relaxed: float | None = None
+    guard: str | None = None
     timeout_s: float = 5.0
     quick: bool = False
     split: str = "eval"
@@ -237,7 +239,8 @@ def _bench_config(cfg: EvalConfig, prompt_sets: dict):
         target=cfg.target, draft=cfg.draft, prompt_sets=prompt_sets,
         mode_options={m: {"generate": gen} for m in (EXACT, SEMANTIC)},
         server_kw={"wisv_head": cfg.head, "wisv_max_per_block": cfg.max_per_block,
-                   "wisv_strict": cfg.strict, "wisv_relaxed": cfg.relaxed})
+                   "wisv_strict": cfg.strict, "wisv_relaxed": cfg.relaxed,
+                   "wisv_guard": cfg.guard})
 
 
 def _read_records(path: Path) -> list[dict]:

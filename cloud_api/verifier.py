@@ -362,9 +362,11 @@ class Verifier:
         a mismatch (draft != argmax) the decision head reads ``hidden`` [g+1, H] (the
         LM head's input) and the row; the draft is accepted when P(accept) >= tau(the
         request's channel), and the walk goes on (the row after it is conditioned on
-        it already); otherwise, or past ``max_per_block`` semantic acceptances, the
-        block stops there with the argmax as next token. One head call per block with
-        a mismatch. Returns ``(accepted, next token, semantic offsets)``."""
+        it already); otherwise, or past ``max_per_block`` semantic acceptances, or at a
+        mismatch the token guard refuses (:meth:`~cloud_api.wisv.serving.
+        SemanticAcceptance.allowed`), the block stops there with the argmax as next
+        token. One head call per block whose first mismatch the guard allows. Returns
+        ``(accepted, next token, semantic offsets)``."""
         g = blk.numel()
         sa = self.semantic
         if a == g:
@@ -372,13 +374,17 @@ class Verifier:
         if sa is None or hidden is None:
             raise AssertionError("a semantic session without a decision head or hidden "
                                  "states")
-        miss = torch.nonzero(blk != S.greedy_token(x[:g])).flatten()[:sa.max_per_block]
+        best = S.greedy_token(x[:g])
+        miss = torch.nonzero(blk != best).flatten()[:sa.max_per_block]
+        ok = sa.allowed(blk[miss], best[miss])                      # the token guard
+        if not bool(ok[0]):              # the first mismatch is guarded: exact verdict
+            return a, nxt, ()
         probs = sa.probs(hidden[miss], x[miss], blk[miss])          # [m], m >= 1
         tau = sa.threshold(req.channel)
         sem: list[int] = []
-        for pos, p in zip(miss.tolist(), probs.tolist()):
-            if pos != a or p < tau:      # the walk stopped before, or the head refuses
-                break
+        for pos, p, k in zip(miss.tolist(), probs.tolist(), ok.tolist()):
+            if pos != a or p < tau or not k:   # the walk stopped before, the head
+                break                          # refuses, or the guard does
             sem.append(pos)
             a2, nxt = S.greedy_verify(blk[pos + 1:], x[pos + 1:])
             a = pos + 1 + a2

@@ -88,7 +88,8 @@ def semantic_setting(target, preset: str, wisv: dict):
     try:
         return semantic_for(wisv["head"], int(target.config.hidden_size), preset,
                             strict=wisv["strict"], relaxed=wisv["relaxed"],
-                            max_per_block=wisv["max_per_block"])
+                            max_per_block=wisv["max_per_block"],
+                            guard=wisv.get("guard"))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--wisv-head") from None
 
@@ -99,7 +100,8 @@ def semantic_note(sem) -> str:
         return ""
     p = sem.policy
     return (f"; semantic acceptance (WISV, opt-in per session): threshold "
-            f"{p.strict:g}..{p.relaxed:g}, at most {sem.max_per_block} per block")
+            f"{p.strict:g}..{p.relaxed:g}, at most {sem.max_per_block} per block, "
+            f"token guard {sem.guard}")
 
 
 def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
@@ -282,10 +284,15 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
 @click.option("--wisv-max-per-block", type=click.IntRange(min=1), default=4,
               show_default=True, help="Most draft tokens of one block accepted "
               "semantically.")
+@click.option("--wisv-guard", type=click.Choice(["operators", "off"]), default="operators",
+              show_default=True, help="operators: a mismatch where the draft or the "
+              "target token is an operator, comparison, boolean keyword or number "
+              "stays exact; off: every mismatch goes to the head.")
 def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
           insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host,
           early_exit, replicas, ray_address, backend, backend_url, backend_top_n,
-          backend_model, wisv_head, wisv_strict, wisv_relaxed, wisv_max_per_block):
+          backend_model, wisv_head, wisv_strict, wisv_relaxed, wisv_max_per_block,
+          wisv_guard):
     """Serve the signed verification API for a target model.
 
     \b
@@ -335,7 +342,7 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
           "max_wait_ms": max_wait_ms, "store": store, "unauth_rpm": unauth_rpm,
           "metrics_address": metrics_address}
     wisv = {"head": wisv_head, "strict": wisv_strict, "relaxed": wisv_relaxed,
-            "max_per_block": wisv_max_per_block}
+            "max_per_block": wisv_max_per_block, "guard": wisv_guard}
     engine = None if backend == "torch" else {
         "backend": backend, "url": backend_url, "served": backend_model,
         "top_n": backend_top_n or DEFAULT_TOP_N}

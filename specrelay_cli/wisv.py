@@ -181,11 +181,14 @@ def _plot_train(man: dict, path) -> None:
 @click.option("--head", default="auto", metavar="auto|PATH|off",
               help="Decision head whose P(accept) is scored against the executed outcome "
               "(auto: the target preset's shipped head).")
+@click.option("--text", default="canonical", type=click.Choice(["canonical", "greedy"]),
+              help="Sequences to take mismatches from: prompt + canonical solution, or "
+              "prompt + the target's greedy completion (the prefixes seen when serving).")
 @click.option("--out", "-o", default="wisv-label-check.json", type=click.Path(dir_okay=False),
               help="JSON report (+ .features.safetensors: the head's inputs with both "
               "outcomes).")
 def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, threads,
-                 head, out):
+                 head, text, out):
     """Compare the likelihood label with executed tests on held-out code mismatches.
 
     
@@ -195,7 +198,7 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
     from bench.wisv_labels import check_labels as run, write_check
 
     rep = run(target, draft, problems, max_mismatches, n, delta, max_tokens,
-              threads=threads, head=None if head == "off" else head,
+              threads=threads, head=None if head == "off" else head, text=text,
               log=lambda s: click.echo(s, err=True))
     for lbl in ("acceptable", "unacceptable"):
         k = rep[lbl]
@@ -242,6 +245,9 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
               "[default: 0.9].")
 @click.option("--relaxed", default=None, type=click.FloatRange(0, 1, min_open=True),
               help="Threshold on a bad link (as `serve --wisv-relaxed`) [default: 0.35].")
+@click.option("--guard", default=None, type=click.Choice(["operators", "off"]),
+              help="The server's token guard (as `serve --wisv-guard`) [default: the "
+              "server's, operators].")
 @click.option("--split", default="eval", type=click.Choice(["eval", "dev"]),
               help="eval: the first problems of the seed-0 order (never seen by the "
               "head); dev: the 64 HumanEval / 32 MT-Bench prompts after them, the "
@@ -251,7 +257,7 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
               help="Folder for wisv_eval.json, wisv_eval.png and requests.jsonl.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_tokens,
-          depth, head, max_per_block, strict, relaxed, split, out, no_progress):
+          depth, head, max_per_block, strict, relaxed, guard, split, out, no_progress):
     """Exact vs semantic acceptance on the same prompts and seeds, HumanEval executed.
 
     \b
@@ -266,7 +272,7 @@ def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_t
                             n_code=n_code, n_chat=n_chat, max_new_tokens=max_new_tokens,
                             chat_tokens=chat_tokens, depth=depth, head=head,
                             max_per_block=max_per_block, strict=strict, relaxed=relaxed,
-                            split=split)
+                            guard=guard, split=split)
     from cloud_api.wisv.threshold import ThresholdPolicy
 
     try:                                 # the server would refuse it after loading

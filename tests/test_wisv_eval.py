@@ -206,7 +206,9 @@ def test_bench_config_of_the_eval():
     assert gen["mtbench"]["max_new_tokens"] == cfg.chat_tokens
     assert bc.mode_options[W.EXACT] == bc.mode_options[W.SEMANTIC]
     assert bc.server_kw == {"wisv_head": "auto", "wisv_max_per_block": None,
-                            "wisv_strict": None, "wisv_relaxed": None}
+                            "wisv_strict": None, "wisv_relaxed": None, "wisv_guard": None}
+    bc = W._bench_config(W.EvalConfig.preset(True, guard="off"), {"humaneval": [object()]})
+    assert bc.server_kw["wisv_guard"] == "off"
 
 
 def test_eval_cli_passes_the_cap_and_thresholds_to_the_server():

@@ -71,8 +71,9 @@ def head_with(p: float | None = None, bias: float | None = None) -> DecisionHead
     return h
 
 
-def semantic(p=None, bias=None, cap=2, **policy) -> SemanticAcceptance:
-    return SemanticAcceptance(head_with(p, bias), ThresholdPolicy(**policy), cap)
+def semantic(p=None, bias=None, cap=2, guard="off", **policy) -> SemanticAcceptance:
+    return SemanticAcceptance(head_with(p, bias), ThresholdPolicy(**policy), cap,
+                              guard=guard)
 
 
 class Recording(InProcessTransport):
@@ -212,6 +213,7 @@ def test_head_settings(tmp_path):
     save_head(head_with(bias=2.0), path, {"model": "tiny", "label": "test"})
     sa = semantic_for(str(path), H, strict=0.8, relaxed=0.6, max_per_block=3)
     assert sa.max_per_block == 3 and sa.policy.strict == 0.8 and sa.policy.relaxed == 0.6
+    assert sa.guard == "operators" and semantic_for(str(path), H, guard="off").guard == "off"
     assert float(sa.head.net.bias.detach()) == 2.0
     for bad, kw in ((tmp_path / "missing.safetensors", {}), (path, {"hidden": 16}),
                     (path, {"strict": 0.3})):
@@ -232,6 +234,9 @@ def test_in_process_servers_take_the_serve_options(target, tok, tmp_path):
                       wisv_max_per_block=4) as srv:
         sa = srv.app[SERVICE].verifier.semantic
         assert sa.max_per_block == 4 and sa.policy.strict == 0.7
+        assert sa.guard == "operators" and sa.guarded.shape == (target.config.vocab_size,)
+    with local_server(target, tok, wisv_head=str(path), wisv_guard="off") as srv:
+        assert srv.app[SERVICE].verifier.semantic.guard == "off"
     with local_server(target, tok, wisv_head="auto", preset="no-such-preset") as srv:
         assert srv.app[SERVICE].verifier.semantic is None
     with pytest.raises(ValueError, match="WISV head"):
@@ -343,6 +348,64 @@ def test_always_rejecting_head_gives_the_exact_output(target, rough, tok):
                    acceptance="semantic")
     assert res.token_ids == ref.token_ids and sa.calls > 0
     assert res.semantic_accepted_tokens == 0 and res.exact_target_output
+
+
+def test_the_token_guard_keeps_guarded_mismatches_exact(target, rough, tok):
+    """An always-accepting head: with every id guarded the output is exact (and the
+    head is never asked); with only the ids the exact run emits guarded, no semantic
+    token replaces one of them and none is accepted in place of one."""
+    ref = generate(InProcessTransport(CloudService(target, tok)), rough, tok)
+    sa = semantic(bias=50.0, guard="operators")
+    sa.guarded = torch.ones(V, dtype=torch.bool)          # bind() keeps a set mask
+    res = generate(InProcessTransport(CloudService(target, tok, semantic=sa)), rough, tok,
+                   acceptance="semantic")
+    assert res.token_ids == ref.token_ids and res.semantic_accepted_tokens == 0
+    assert sa.calls == 0
+    free = semantic(bias=50.0)
+    loose = generate(InProcessTransport(CloudService(target, tok, semantic=free)), rough,
+                     tok, acceptance="semantic")
+    assert loose.semantic_accepted_tokens > 0
+    sem_ids = {t for t, s in zip(loose.token_ids, loose.semantic) if s}
+    sa = semantic(bias=50.0, guard="operators")
+    sa.guarded = torch.zeros(V, dtype=torch.bool)
+    sa.guarded[sorted(sem_ids)] = True
+    res = generate(InProcessTransport(CloudService(target, tok, semantic=sa)), rough, tok,
+                   acceptance="semantic")
+    ids = PROMPT + res.token_ids
+    best = argmax_after(target, ids)
+    for i, (t, s) in enumerate(zip(res.token_ids, res.semantic)):
+        if s:                       # neither the accepted draft nor the target's token
+            assert not sa.guarded[t] and not sa.guarded[best[len(PROMPT) + i - 1]]
+    assert res.token_ids != loose.token_ids
+
+
+def test_guarded_tokens_of_a_tokenizer():
+    """The guard reads whole tokens: operators, comparisons, keywords, numbers."""
+    from cloud_api.wisv.serving import guarded_tokens
+
+    class Tok:
+        words = [" ==", "<=", " +", "-", " and", "not", " in", " True", " 42", "0",
+                 " 3.5", " x", " count", "()", "\n", " ", "==x", " index", "  ", " //"]
+
+        def __len__(self):
+            return len(self.words)
+
+        def batch_decode(self, ids, clean_up_tokenization_spaces=False):
+            return [self.words[i[0]] for i in ids]
+
+    g = guarded_tokens(Tok(), 24)
+    assert g.shape == (24,) and g.dtype == torch.bool
+    assert g.tolist() == [True] * 11 + [False] * 8 + [True] + [False] * 4
+    sa = SemanticAcceptance(head_with(bias=0.0))
+    assert sa.guard == "operators"
+    with pytest.raises(RuntimeError, match="bind"):
+        sa.allowed(torch.tensor([1]), torch.tensor([2]))
+    sa.bind(Tok(), 24)
+    assert sa.allowed(torch.tensor([11, 11, 0, 12, 30]),
+                      torch.tensor([12, 1, 13, 19, 12])).tolist() == [
+        True, False, False, False, True]
+    with pytest.raises(ValueError, match="guard"):
+        SemanticAcceptance(head_with(bias=0.0), guard="strict")
 
 
 def test_a_worse_channel_flips_a_borderline_decision(target, rough, tok):
@@ -541,7 +604,8 @@ def test_cli_flags(tmp_path):
                                   "--temperature", "0.7"])
     assert r.exit_code == 2 and "--acceptance" in r.output
     r = CliRunner().invoke(main, ["serve", "--help"])
-    for opt in ("--wisv-head", "--wisv-strict", "--wisv-relaxed", "--wisv-max-per-block"):
+    for opt in ("--wisv-head", "--wisv-strict", "--wisv-relaxed", "--wisv-max-per-block",
+                "--wisv-guard"):
         assert opt in r.output
     r = CliRunner().invoke(main, ["serve", "--port", port, "--wisv-head",
                                   str(tmp_path / "none.safetensors")])

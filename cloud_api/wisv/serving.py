@@ -10,6 +10,7 @@ accepted (``accepts``); the verifier (:mod:`cloud_api.verifier`) owns the mechan
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from cloud_api.wisv.features import mismatch_features
 from cloud_api.wisv.head import DecisionHead, load_head
 from cloud_api.wisv.threshold import ChannelState, ThresholdPolicy
 
-__all__ = ["ASSETS", "DEFAULT_MAX_PER_BLOCK", "OPTION_KEYS", "SemanticAcceptance",
-           "shipped_head_path", "semantic_for", "take_options"]
+__all__ = ["ASSETS", "DEFAULT_GUARD", "DEFAULT_MAX_PER_BLOCK", "GUARDS", "OPTION_KEYS",
+           "SemanticAcceptance", "guarded_tokens", "shipped_head_path", "semantic_for",
+           "take_options"]
 
 log = logging.getLogger("cloud_api")
 
@@ -32,6 +34,34 @@ DEFAULT_MAX_PER_BLOCK = 4
 verified exactly): bounds how far one block can drift from the target. 4 with
 deep blocks (depth 12); 2 held the accepted run to 1.18-1.24x of exact mode."""
 
+GUARDS = ("operators", "off")
+"""Token guards: ``operators`` never accepts a draft token semantically when it or the
+target's token is an operator, a comparison, a boolean keyword or a number
+(:func:`guarded_tokens`); ``off`` leaves every mismatch to the head."""
+
+DEFAULT_GUARD = "operators"
+
+_GUARD_TEXT = re.compile(r"(==|!=|<=|>=|<|>|\+|-|\*|\*\*|/|//|%|\+=|-=|\*=|/=|//=|%="
+                         r"|=|&|\||\^|~|<<|>>|\d+(\.\d*)?|and|or|not|in|is|True|False|None)")
+
+
+def guarded_tokens(tokenizer, vocab_size: int) -> torch.Tensor:
+    """bool [vocab_size]: the ids whose text, stripped of whitespace, is a whole
+    operator (arithmetic, comparison, assignment, bitwise), a boolean or membership
+    keyword (``and or not in is``), a constant (``True False None``) or a number.
+    Swapping one such token for another changes what a program computes while leaving
+    its likelihood close (``<=`` for ``<``, ``1`` for ``0``); the decision head, which
+    reads the target's hidden state and likelihoods, cannot tell those swaps from
+    harmless ones (a different name or spacing). Ids past the tokenizer's vocabulary
+    are False. Decodes every id once (~1 s for 151,936 ids)."""
+    n = min(int(vocab_size), len(tokenizer))
+    texts = tokenizer.batch_decode([[i] for i in range(n)],
+                                   clean_up_tokenization_spaces=False)
+    out = torch.zeros(int(vocab_size), dtype=torch.bool)
+    for i, t in enumerate(texts):
+        out[i] = _GUARD_TEXT.fullmatch(t.strip()) is not None
+    return out
+
 
 @dataclass
 class SemanticAcceptance:
@@ -42,22 +72,48 @@ class SemanticAcceptance:
         policy: the channel-aware threshold ``tau(channel)``.
         max_per_block: most semantic acceptances in one block (>= 1).
         manifest: the head's manifest (for logs and ``/healthz``), may be empty.
+        guard: :data:`GUARDS`; ``operators`` refuses mismatches where the draft or the
+            target token is one of :func:`guarded_tokens` (needs :meth:`bind`).
     Attributes:
         calls: head evaluations so far (one per block with a mismatch); tests read it.
+        guarded: bool [V] of the guarded ids (set by :meth:`bind`).
     Raises:
-        ValueError: ``max_per_block`` < 1.
+        ValueError: ``max_per_block`` < 1 or an unknown ``guard``.
     """
 
     head: DecisionHead
     policy: ThresholdPolicy = field(default_factory=ThresholdPolicy)
     max_per_block: int = DEFAULT_MAX_PER_BLOCK
     manifest: dict = field(default_factory=dict)
+    guard: str = DEFAULT_GUARD
     calls: int = 0
+    guarded: torch.Tensor | None = None
 
     def __post_init__(self):
         if int(self.max_per_block) < 1:
             raise ValueError("max_per_block must be >= 1")
+        if self.guard not in GUARDS:
+            raise ValueError(f"guard must be one of {', '.join(GUARDS)}")
         self.max_per_block = int(self.max_per_block)
+
+    def bind(self, tokenizer, vocab_size: int) -> None:
+        """Read the target tokenizer's guarded ids (for ``guard="operators"``; a no-op
+        otherwise or when already bound)."""
+        if self.guard == "operators" and self.guarded is None:
+            self.guarded = guarded_tokens(tokenizer, vocab_size)
+
+    def allowed(self, draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """bool [N]: which of N mismatches (draft ids, target ids: long [N]) the guard
+        leaves to the head. Raises RuntimeError when ``guard="operators"`` was never
+        bound."""
+        if self.guard == "off":
+            return torch.ones(draft.shape, dtype=torch.bool)
+        if self.guarded is None:
+            raise RuntimeError("SemanticAcceptance(guard='operators') needs "
+                               "bind(tokenizer)")
+        n = self.guarded.numel()
+        hit = lambda t: (t < n) & self.guarded[t.clamp(0, n - 1)]  # noqa: E731
+        return ~(hit(draft.long()) | hit(target.long()))
 
     @property
     def hidden_size(self) -> int:
@@ -88,7 +144,8 @@ def shipped_head_path(preset: str | None) -> Path | None:
 
 def semantic_for(setting: str | None, hidden_size: int, preset: str | None = None, *,
                  strict: float | None = None, relaxed: float | None = None,
-                 max_per_block: int = DEFAULT_MAX_PER_BLOCK) -> SemanticAcceptance | None:
+                 max_per_block: int = DEFAULT_MAX_PER_BLOCK,
+                 guard: str | None = None) -> SemanticAcceptance | None:
     """The server's semantic acceptance for a ``--wisv-head`` setting.
 
     Args:
@@ -99,6 +156,7 @@ def semantic_for(setting: str | None, hidden_size: int, preset: str | None = Non
         strict, relaxed: the threshold on a good / bad link (None: the policy's
             defaults, :class:`ThresholdPolicy`).
         max_per_block: most semantic acceptances per block.
+        guard: :data:`GUARDS` (None: :data:`DEFAULT_GUARD`).
     Raises:
         ValueError: one line naming the file or the setting (missing file, bad manifest,
             sha256 or hidden-size mismatch, bad threshold or cap).
@@ -124,10 +182,11 @@ def semantic_for(setting: str | None, hidden_size: int, preset: str | None = Non
         raise ValueError(f"WISV head {path}: {_line(e)}") from None
     except (RuntimeError, OSError, KeyError, TypeError) as e:   # weights of another shape,
         raise ValueError(f"WISV head {path}: {_line(e)}") from None   # unreadable file
-    return SemanticAcceptance(head, policy, max_per_block, man)
+    return SemanticAcceptance(head, policy, max_per_block, man, guard or DEFAULT_GUARD)
 
 
-OPTION_KEYS = ("wisv_head", "wisv_strict", "wisv_relaxed", "wisv_max_per_block")
+OPTION_KEYS = ("wisv_head", "wisv_strict", "wisv_relaxed", "wisv_max_per_block",
+               "wisv_guard")
 """The ``serve --wisv-*`` options as keyword arguments of the in-process servers
 (:func:`cloud_api.local.local_server`, the benchmark's cloud process)."""
 
@@ -144,7 +203,8 @@ def take_options(kw: dict, model, preset: str | None = None) -> dict:
     kw["semantic"] = semantic_for(
         opts["wisv_head"], int(model.config.hidden_size), preset,
         strict=opts["wisv_strict"], relaxed=opts["wisv_relaxed"],
-        max_per_block=opts["wisv_max_per_block"] or DEFAULT_MAX_PER_BLOCK)
+        max_per_block=opts["wisv_max_per_block"] or DEFAULT_MAX_PER_BLOCK,
+        guard=opts["wisv_guard"])
     return kw
 
 
