@@ -38,9 +38,13 @@ def harm_report(rows: list[dict], thresholds=THRESHOLDS) -> dict:
     :func:`check_labels`) separate the harmful ones (target's branch passes, draft's
     fails) from the safe ones (ROC AUC, :func:`cloud_api.wisv.train.auc`), and per
     threshold tau the mismatches the head accepts (``head_p >= tau``) with their draft-only
-    and target-only passes (``net``: their difference per accepted mismatch)."""
+    and target-only passes (``net``: their difference per accepted mismatch), and the
+    same among those the token guard leaves to the head (``guarded``: neither token is
+    an operator, comparison, boolean keyword or number,
+    :func:`cloud_api.wisv.serving.guarded_text`)."""
     import torch
 
+    from cloud_api.wisv.serving import guarded_text
     from cloud_api.wisv.train import auc
 
     run = [r for r in rows if "draft_passed" in r and "target_passed" in r]
@@ -52,14 +56,19 @@ def harm_report(rows: list[dict], thresholds=THRESHOLDS) -> dict:
     if run and run[0].get("head_p") is not None:
         out["auc_head"] = round(auc(score("head_p"), 1 - harmed), 4) if tp else None
         out["by_threshold"] = []
-        for tau in thresholds:
-            acc = [r for r in run if r["head_p"] >= tau]
+
+        def tally(acc: list[dict]) -> dict:
             gain = sum(r["draft_passed"] and not r["target_passed"] for r in acc)
             loss = sum(r["target_passed"] and not r["draft_passed"] for r in acc)
-            out["by_threshold"].append({
-                "tau": tau, "accepted": len(acc), "draft_only_passes": gain,
-                "target_only_passes": loss,
-                "net": round((gain - loss) / len(acc), 3) if acc else None})
+            return {"accepted": len(acc), "draft_only_passes": gain,
+                    "target_only_passes": loss,
+                    "net": round((gain - loss) / len(acc), 3) if acc else None}
+
+        for tau in thresholds:
+            acc = [r for r in run if r["head_p"] >= tau]
+            free = [r for r in acc if not (guarded_text(r["draft_token"])
+                                           or guarded_text(r["target_token"]))]
+            out["by_threshold"].append({"tau": tau} | tally(acc) | {"guarded": tally(free)})
     return out
 
 

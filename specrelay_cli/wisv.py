@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -118,8 +119,6 @@ def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_token
                    f"{row['accept_rate']} of mismatches (recall {row['recall']})")
     click.echo(f"wrote {man['path']} and its manifest ({time.monotonic() - t0:.0f} s)")
     if figures:
-        from pathlib import Path
-
         d = Path(figures)
         d.mkdir(parents=True, exist_ok=True)
         (d / "train.json").write_text(json.dumps(man, indent=1) + "\n")
@@ -210,6 +209,67 @@ def check_labels(target, draft, problems, max_mismatches, n, delta, max_tokens, 
                f"{h['t_passes']}; AUC safe vs harmful: gap {h['auc_gap']}, head "
                f"{h.get('auc_head')}")
     click.echo(f"wrote {write_check(rep, out)} ({rep['wall_s']:.0f} s)")
+
+
+@wisv.command("fit-executed", context_settings={"show_default": True})
+@click.argument("reports", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--target", default="qwen2.5-coder-1.5b",
+              help="Target preset: its shipped head is the reference.")
+@click.option("--reference", default="auto", metavar="auto|PATH|off",
+              help="Head compared with (auto: the target preset's shipped head).")
+@click.option("--folds", default=8, type=click.IntRange(2), help="Grouped folds (by problem).")
+@click.option("--out", "-o", default=None, type=click.Path(dir_okay=False),
+              help="Also fit the best setting on every row and write it here (.safetensors "
+              "+ .json manifest).")
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False),
+              help="Write the comparison as JSON.")
+def fit_executed(reports, target, reference, folds, out, json_out):
+    """Fit the decision head on executed-test labels and judge it out of fold.
+
+    \b
+    REPORTS: `wisv check-labels` JSON reports (their .features.safetensors beside).
+    Label: acceptable unless the target's branch passes and the draft's fails. Each
+    problem's mismatches are scored by a head fitted without that problem; heads are
+    compared at equal accept rates by draft-only minus target-only passes.
+    Example:
+      specrelay wisv fit-executed docs/figures/wisv/label_check_harm.json \\
+          docs/figures/wisv/label_check_greedy.json
+    """
+    from cloud_api.wisv.executed import fit_executed as run
+    from cloud_api.wisv.head import load_head
+    from cloud_api.wisv.serving import shipped_head_path
+
+    ref = None
+    if reference != "off":
+        path = shipped_head_path(target) if reference == "auto" else reference
+        if path is not None:
+            try:
+                ref = load_head(path)[0]
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--reference") from None
+    try:
+        rep = run(reports, ref, out, target, folds)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="REPORTS") from None
+
+    def line(name: str, r: dict) -> None:
+        cells = ", ".join(f"{t['fraction']:.0%}: {t['harms']}/{t['gains']} "
+                          f"({t['net']:+.3f})" for t in r["table"])
+        click.echo(f"  {name:34s} harm AUC {r['harm_auc']:.3f}  {cells}")
+
+    click.echo(f"{rep['rows']} executed mismatches of {rep['problems']} problems, "
+               f"acceptable {rep['acceptable']:.3f}; per accept fraction: harms/gains "
+               "(net passes per accepted mismatch)")
+    if "reference" in rep:
+        line("reference head (its own label)", rep["reference"])
+    for g in rep["grid"]:
+        line(f"executed, l2 {g['l2']:g}, hidden scale {g['hidden_scale']:g}", g)
+    click.echo(f"best out of fold: {rep['best']}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(rep, indent=1) + "\n")
+        click.echo(f"wrote {json_out}")
+    if "path" in rep:
+        click.echo(f"wrote {rep['path']} and its manifest")
 
 
 @wisv.command("eval", context_settings={"show_default": True})

@@ -21,7 +21,7 @@ from cloud_api.wisv.head import DecisionHead, load_head
 from cloud_api.wisv.threshold import ChannelState, ThresholdPolicy
 
 __all__ = ["ASSETS", "DEFAULT_GUARD", "DEFAULT_MAX_PER_BLOCK", "GUARDS", "OPTION_KEYS",
-           "SemanticAcceptance", "guarded_tokens", "shipped_head_path", "semantic_for",
+           "SemanticAcceptance", "guarded_text", "guarded_tokens", "shipped_head_path", "semantic_for",
            "take_options"]
 
 log = logging.getLogger("cloud_api")
@@ -45,6 +45,11 @@ _GUARD_TEXT = re.compile(r"(==|!=|<=|>=|<|>|\+|-|\*|\*\*|/|//|%|\+=|-=|\*=|/=|//
                          r"|=|&|\||\^|~|<<|>>|\d+(\.\d*)?|and|or|not|in|is|True|False|None)")
 
 
+def guarded_text(text: str) -> bool:
+    """Whether a token's text is guarded (:func:`guarded_tokens`)."""
+    return _GUARD_TEXT.fullmatch(text.strip()) is not None
+
+
 def guarded_tokens(tokenizer, vocab_size: int) -> torch.Tensor:
     """bool [vocab_size]: the ids whose text, stripped of whitespace, is a whole
     operator (arithmetic, comparison, assignment, bitwise), a boolean or membership
@@ -59,7 +64,7 @@ def guarded_tokens(tokenizer, vocab_size: int) -> torch.Tensor:
                                    clean_up_tokenization_spaces=False)
     out = torch.zeros(int(vocab_size), dtype=torch.bool)
     for i, t in enumerate(texts):
-        out[i] = _GUARD_TEXT.fullmatch(t.strip()) is not None
+        out[i] = guarded_text(t)
     return out
 
 

@@ -125,7 +125,8 @@ class Dataset:
     """Every mismatch of a run: ``features`` float32 [N, F], ``gap`` float32 [N]
     (S(d) - S(t), nats), ``groups`` / ``workloads`` (str per row), ``positions`` per
     workload (candidate rows examined), ``cached_sequences`` (read from the cache, not
-    labelled in this run)."""
+    labelled in this run), ``y`` float32 [N] labels that replace the likelihood one
+    (None: label by the gap)."""
 
     features: torch.Tensor
     gap: torch.Tensor
@@ -133,9 +134,13 @@ class Dataset:
     workloads: list[str]
     positions: dict = field(default_factory=dict)
     cached_sequences: int = 0
+    y: torch.Tensor | None = None
 
     def labels(self, delta: float) -> torch.Tensor:
-        """float32 [N]: 1.0 where acceptable (gap >= -delta)."""
+        """float32 [N]: 1.0 where acceptable: the given labels ``y`` (e.g. executed
+        outcomes) when set, else the likelihood label (gap >= -delta)."""
+        if self.y is not None:
+            return self.y.float()
         return (self.gap >= -float(delta)).float()
 
     def __len__(self) -> int:
