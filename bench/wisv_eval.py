@@ -145,7 +145,7 @@ class EvalConfig:
         max_per_block, strict, relaxed: the server's per-block cap and thresholds (as
             ``serve --wisv-max-per-block/--wisv-strict/--wisv-relaxed``; None: its
             defaults, 4 / 0.90 / 0.35). guard: the server's token guard (as
-            ``serve --wisv-guard``; None: its default, ``operators``).
+            ``serve --wisv-guard``; None: its default, ``off``).
         timeout_s: per-completion execution timeout (s). quick: the ``--quick`` preset.
         split: ``eval`` (the first problems of the seed-0 order, never seen by the head)
             or ``dev`` (the problems after the held-out boundary: the decision head's

@@ -66,8 +66,8 @@ def harm_report(rows: list[dict], thresholds=THRESHOLDS) -> dict:
 
         for tau in thresholds:
             acc = [r for r in run if r["head_p"] >= tau]
-            free = [r for r in acc if not (guarded_text(r["draft_token"])
-                                           or guarded_text(r["target_token"]))]
+            free = [r for r in acc if not (guarded_text(r.get("draft_token", ""))
+                                           or guarded_text(r.get("target_token", "")))]
             out["by_threshold"].append({"tau": tau} | tally(acc) | {"guarded": tally(free)})
     return out
 

@@ -284,7 +284,7 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
 @click.option("--wisv-max-per-block", type=click.IntRange(min=1), default=4,
               show_default=True, help="Most draft tokens of one block accepted "
               "semantically.")
-@click.option("--wisv-guard", type=click.Choice(["operators", "off"]), default="operators",
+@click.option("--wisv-guard", type=click.Choice(["operators", "off"]), default="off",
               show_default=True, help="operators: a mismatch where the draft or the "
               "target token is an operator, comparison, boolean keyword or number "
               "stays exact; off: every mismatch goes to the head.")

@@ -307,7 +307,7 @@ def fit_executed(reports, target, reference, folds, out, json_out):
               help="Threshold on a bad link (as `serve --wisv-relaxed`) [default: 0.35].")
 @click.option("--guard", default=None, type=click.Choice(["operators", "off"]),
               help="The server's token guard (as `serve --wisv-guard`) [default: the "
-              "server's, operators].")
+              "server's, off].")
 @click.option("--split", default="eval", type=click.Choice(["eval", "dev"]),
               help="eval: the first problems of the seed-0 order (never seen by the "
               "head); dev: the 64 HumanEval / 32 MT-Bench prompts after them, the "

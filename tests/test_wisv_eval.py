@@ -347,7 +347,8 @@ def test_label_check_harm_auc_and_features(tmp_path):
     from bench.wisv_labels import harm_report, write_check
 
     ex = [{"gap": 0.5, "head_p": 0.9, "target_passed": True, "draft_passed": True},
-          {"gap": -2.0, "head_p": 0.6, "target_passed": True, "draft_passed": False},
+          {"gap": -2.0, "head_p": 0.6, "target_passed": True, "draft_passed": False,
+           "draft_token": " <=", "target_token": " <"},                # guarded
           {"gap": -1.0, "head_p": 0.4, "target_passed": True, "draft_passed": True},
           {"gap": -0.2, "head_p": 0.7, "target_passed": False, "draft_passed": True},
           {"gap": 0.0, "head_p": 0.1}]                             # not executed
@@ -356,9 +357,11 @@ def test_label_check_harm_auc_and_features(tmp_path):
     assert h["auc_gap"] == 1.0 and h["auc_head"] == 0.5     # safe heads: 0.9 and 0.4 vs 0.6
     assert h["by_threshold"] == [
         {"tau": 0.5, "accepted": 3, "draft_only_passes": 1, "target_only_passes": 1,
-         "net": 0.0},
+         "net": 0.0, "guarded": {"accepted": 2, "draft_only_passes": 1,
+                                 "target_only_passes": 0, "net": 0.5}},
         {"tau": 0.8, "accepted": 1, "draft_only_passes": 0, "target_only_passes": 0,
-         "net": 0.0}]
+         "net": 0.0, "guarded": {"accepted": 1, "draft_only_passes": 0,
+                                 "target_only_passes": 0, "net": 0.0}}]
     rows = [{"gap": -0.5, "target_passed": True, "draft_passed": False},
             {"gap": 0.25, "target_passed": False, "draft_passed": True},
             {"gap": -3.0}]

@@ -213,7 +213,8 @@ def test_head_settings(tmp_path):
     save_head(head_with(bias=2.0), path, {"model": "tiny", "label": "test"})
     sa = semantic_for(str(path), H, strict=0.8, relaxed=0.6, max_per_block=3)
     assert sa.max_per_block == 3 and sa.policy.strict == 0.8 and sa.policy.relaxed == 0.6
-    assert sa.guard == "operators" and semantic_for(str(path), H, guard="off").guard == "off"
+    assert sa.guard == "off"
+    assert semantic_for(str(path), H, guard="operators").guard == "operators"
     assert float(sa.head.net.bias.detach()) == 2.0
     for bad, kw in ((tmp_path / "missing.safetensors", {}), (path, {"hidden": 16}),
                     (path, {"strict": 0.3})):
@@ -234,9 +235,10 @@ def test_in_process_servers_take_the_serve_options(target, tok, tmp_path):
                       wisv_max_per_block=4) as srv:
         sa = srv.app[SERVICE].verifier.semantic
         assert sa.max_per_block == 4 and sa.policy.strict == 0.7
+        assert sa.guard == "off" and sa.guarded is None
+    with local_server(target, tok, wisv_head=str(path), wisv_guard="operators") as srv:
+        sa = srv.app[SERVICE].verifier.semantic
         assert sa.guard == "operators" and sa.guarded.shape == (target.config.vocab_size,)
-    with local_server(target, tok, wisv_head=str(path), wisv_guard="off") as srv:
-        assert srv.app[SERVICE].verifier.semantic.guard == "off"
     with local_server(target, tok, wisv_head="auto", preset="no-such-preset") as srv:
         assert srv.app[SERVICE].verifier.semantic is None
     with pytest.raises(ValueError, match="WISV head"):
@@ -396,8 +398,8 @@ def test_guarded_tokens_of_a_tokenizer():
     g = guarded_tokens(Tok(), 24)
     assert g.shape == (24,) and g.dtype == torch.bool
     assert g.tolist() == [True] * 11 + [False] * 8 + [True] + [False] * 4
-    sa = SemanticAcceptance(head_with(bias=0.0))
-    assert sa.guard == "operators"
+    assert SemanticAcceptance(head_with(bias=0.0)).guard == "off"
+    sa = SemanticAcceptance(head_with(bias=0.0), guard="operators")
     with pytest.raises(RuntimeError, match="bind"):
         sa.allowed(torch.tensor([1]), torch.tensor([2]))
     sa.bind(Tok(), 24)
