@@ -461,6 +461,39 @@ def rebuild_report(out: str | Path) -> dict:
 
 # --------------------------------------------------------------------------- output
 
+def pooled_stats(folders: Sequence[str | Path]) -> dict:
+    """pass@1 exact vs semantic pooled over finished evaluations on disjoint problems
+    (e.g. the eval split's 100 and the dev split's 64, same settings): per profile
+    :func:`paired_stats` over every problem of ``folders`` (their
+    ``completions.jsonl``). Raises ValueError when a folder lacks the file, a problem
+    appears in two folders, or a problem lacks one mode."""
+    out: dict = {}
+    seen: dict = {}
+    for folder in folders:
+        path = Path(folder) / "completions.jsonl"
+        if not path.is_file():
+            raise ValueError(f"{path}: missing (a finished specrelay wisv eval folder)")
+        mine = set()
+        for r in _read_records(path):
+            key = (r["profile"], r["task_id"])
+            if key in seen and seen[key] != str(folder):
+                raise ValueError(f"{r['task_id']} ({r['profile']}) is in {seen[key]} "
+                                 f"and {folder}: pool disjoint problems")
+            mine.add(key)
+            out.setdefault(r["profile"], {}).setdefault(r["task_id"], {})[r["mode"]] = \
+                bool(r["passed"])
+        seen.update({k: str(folder) for k in mine})
+    res = {}
+    for prof, probs in out.items():
+        lacking = [t for t, m in probs.items() if set(m) != {EXACT, SEMANTIC}]
+        if lacking:
+            raise ValueError(f"{lacking[0]} ({prof}): not run in both modes")
+        ids = sorted(probs)
+        res[prof] = paired_stats([probs[t][EXACT] for t in ids],
+                                 [probs[t][SEMANTIC] for t in ids])
+    return res
+
+
 def plot_eval(report: dict, path: str | Path) -> Path:
     """Four panels per profile (exact vs semantic): HumanEval pass@1 (with the paired
     interval of the difference), accepted length, rounds per 100 tokens, TPOT."""

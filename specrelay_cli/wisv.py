@@ -272,6 +272,33 @@ def fit_executed(reports, target, reference, folds, out, json_out):
         click.echo(f"wrote {rep['path']} and its manifest")
 
 
+@wisv.command("pool")
+@click.argument("folders", nargs=-1, required=True, type=click.Path(file_okay=False))
+def pool(folders):
+    """Pool HumanEval pass@1 of finished `wisv eval` folders on disjoint problems.
+
+    \b
+    Per profile: pass@1 exact and semantic over all their problems, the paired
+    difference with its bootstrap 95 % interval and the exact McNemar p; then one JSON
+    object. Example (the eval split's 100 problems and the dev split's 64):
+      specrelay wisv pool docs/figures/wisv/d16-100 docs/figures/wisv/dev-64
+    """
+    from bench.wisv_eval import pooled_stats
+
+    try:
+        res = pooled_stats(folders)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="FOLDERS") from None
+    for prof, st in res.items():
+        lo, hi = st["pass1_diff_ci95"]
+        click.echo(f"{prof:14s} pass@1 exact {st['pass1_exact']:.3f} semantic "
+                   f"{st['pass1_semantic']:.3f} (diff {100 * st['pass1_diff']:+.1f} pt, "
+                   f"95 % CI [{100 * lo:+.1f}, {100 * hi:+.1f}], McNemar p "
+                   f"{st['mcnemar_p']:.3f}; {st['only_exact_passed']} only exact, "
+                   f"{st['only_semantic_passed']} only semantic; {st['problems']} problems)")
+    click.echo(json.dumps(res))
+
+
 @wisv.command("eval", context_settings={"show_default": True})
 @click.option("--quick", is_flag=True, help="<= 15 minutes on 2 cores: 40 HumanEval "
               "problems (max 192 new tokens each) on cellular-edge, 4 MT-Bench "

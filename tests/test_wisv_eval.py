@@ -373,3 +373,40 @@ def test_label_check_harm_auc_and_features(tmp_path):
     assert got["draft_passed"].tolist() == [0, 1, -1]
     assert got["gap"].tolist() == [-0.5, 0.25, -3.0]
     assert "features" not in json.loads(path.read_text())
+
+
+def test_pooled_stats_over_disjoint_folders(tmp_path):
+    """``wisv pool``: pass@1 of two finished evaluations pooled per profile (paired by
+    problem), refusing overlapping problems and a missing mode."""
+    from click.testing import CliRunner
+
+    from specrelay_cli.wisv import wisv
+
+    def folder(name, rows):
+        d = tmp_path / name
+        d.mkdir()
+        with open(d / "completions.jsonl", "w") as f:
+            for mode, task, ok in rows:
+                f.write(json.dumps({"mode": mode, "profile": "weak", "task_id": task,
+                                    "passed": ok}) + "\n")
+        return d
+
+    a = folder("a", [(W.EXACT, "T/1", True), (W.SEMANTIC, "T/1", False),
+                     (W.EXACT, "T/2", True), (W.SEMANTIC, "T/2", True)])
+    b = folder("b", [(W.EXACT, "T/3", False), (W.SEMANTIC, "T/3", True),
+                     (W.EXACT, "T/4", False), (W.SEMANTIC, "T/4", False),
+                     (W.EXACT, "T/5", True), (W.SEMANTIC, "T/5", False)])
+    st = W.pooled_stats([a, b])["weak"]
+    assert st["problems"] == 5 and st["pass1_exact"] == 0.6 and st["pass1_semantic"] == 0.4
+    assert (st["only_exact_passed"], st["only_semantic_passed"]) == (2, 1)
+    assert st == W.paired_stats([True, True, False, False, True],
+                                [False, True, True, False, False])
+    with pytest.raises(ValueError, match="disjoint"):
+        W.pooled_stats([a, folder("c", [(W.EXACT, "T/2", True), (W.SEMANTIC, "T/2", True)])])
+    with pytest.raises(ValueError, match="both modes"):
+        W.pooled_stats([folder("d", [(W.EXACT, "T/9", True)])])
+    r = CliRunner().invoke(wisv, ["pool", str(a), str(b)])
+    assert r.exit_code == 0 and "-20.0 pt" in r.output
+    assert json.loads(r.output.strip().splitlines()[-1])["weak"]["problems"] == 5
+    r = CliRunner().invoke(wisv, ["pool", str(tmp_path / "none")])
+    assert r.exit_code == 2 and "completions.jsonl" in r.output
