@@ -31,8 +31,8 @@ from typing import Callable, Sequence
 
 __all__ = ["STOP_SEQUENCES", "EXACT", "SEMANTIC", "EvalConfig", "truncate_completion",
            "execute_completions", "pass_at_1", "paired_stats", "mcnemar_exact",
-           "paired_bootstrap_ci", "summarize", "run_eval", "rebuild_report", "plot_eval",
-           "print_report"]
+           "paired_bootstrap_ci", "summarize", "check_head_split", "pooled_stats",
+           "run_eval", "rebuild_report", "plot_eval", "print_report"]
 
 EXACT, SEMANTIC = "specrelay", "wisv"
 """The bench modes compared: exact (token-for-token) and semantic acceptance."""
@@ -378,6 +378,24 @@ def _ratio(a, b, minus_one: bool = False):
     return round(a / b - (1.0 if minus_one else 0.0), 4)
 
 
+def check_head_split(head: str, split: str) -> None:
+    """Refuse (ValueError, one line) judging a head on the problems it was trained on:
+    a head file whose manifest says ``train.split == "eval"`` (``wisv train --split
+    eval``, for cross-fitting) on the ``eval`` split. ``auto`` (the shipped head,
+    trained on the held-out prompts) and unreadable manifests pass (the server reports
+    the latter)."""
+    if head == "auto" or split != "eval":
+        return
+    mpath = Path(head).with_suffix(".json")
+    try:
+        man = json.loads(mpath.read_text())
+    except (OSError, ValueError):
+        return
+    if (man.get("train") or {}).get("split") == "eval":
+        raise ValueError(f"WISV head {head} was trained on the evaluation problems "
+                         "(wisv train --split eval): judge it with --split dev")
+
+
 def run_eval(cfg: EvalConfig, out: str | Path, progress: bool = True,
              log: Callable[[str], None] = print) -> dict:
     """Run the evaluation (module docstring); write ``OUT/wisv_eval.json``,
@@ -389,6 +407,7 @@ def run_eval(cfg: EvalConfig, out: str | Path, progress: bool = True,
     from edge_sdk.models import load_tokenizer
     from specrelay_data.workloads import humaneval_problems
 
+    check_head_split(cfg.head, cfg.split)
     t0 = time.monotonic()
     out = Path(out)
     prompt_sets = {}

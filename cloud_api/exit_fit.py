@@ -81,13 +81,20 @@ def collect_hidden(model, seqs: Sequence[Sequence[int]], layers: Sequence[int]
             torch.cat(arg).cpu())
 
 
-def heldout_prompts(n_code: int, n_chat: int) -> tuple[list, list]:
+def heldout_prompts(n_code: int, n_chat: int, split: str = "heldout") -> tuple[list, list]:
     """The HumanEval and MT-Bench prompts (``specrelay_data.workloads.Prompt``) at seed-0 indexes
-    from :data:`HELDOUT_START` on: never among the benchmark's evaluated prompts."""
+    from :data:`HELDOUT_START` on: never among the benchmark's evaluated prompts.
+    ``split="eval"`` takes the prompts before that boundary instead (the evaluated ones:
+    only for cross-fitting, a fit judged on the held-out prompts). Raises ValueError for
+    another split."""
     from specrelay_data.workloads import load_workload   # data packages: only when fitting
 
-    he = load_workload("humaneval")[HELDOUT_START["humaneval"]:][:n_code]
-    mt = load_workload("mtbench")[HELDOUT_START["mtbench"]:][:n_chat]
+    if split not in ("heldout", "eval"):
+        raise ValueError(f"split must be 'heldout' or 'eval', not {split!r}")
+    cut = {w: slice(k, None) if split == "heldout" else slice(0, k)
+           for w, k in HELDOUT_START.items()}
+    he = load_workload("humaneval")[cut["humaneval"]][:n_code]
+    mt = load_workload("mtbench")[cut["mtbench"]][:n_chat]
     return he, mt
 
 

@@ -57,10 +57,17 @@ class _Bar:
 @click.option("--draft", default="qwen2.5-coder-0.5b", help="Draft model (torch; preset or path).")
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16"]),
               help="dtype of both models.")
-@click.option("--code", "n_code", default=64, type=click.IntRange(0, 64),
-              help="Held-out HumanEval problems (seed-0 order, from index 100).")
-@click.option("--chat", "n_chat", default=32, type=click.IntRange(0, 32),
-              help="Held-out MT-Bench questions (seed-0 order, from index 48).")
+@click.option("--code", "n_code", default=64, type=click.IntRange(0, 100),
+              help="HumanEval problems (seed-0 order, from index 100; --split eval: "
+              "from 0, at most 100).")
+@click.option("--chat", "n_chat", default=32, type=click.IntRange(0, 48),
+              help="MT-Bench questions (seed-0 order, from index 48; --split eval: from "
+              "0, at most 48).")
+@click.option("--split", default="heldout", type=click.Choice(["heldout", "eval"]),
+              help="heldout: prompts no evaluation reports (the shipped head's); eval: "
+              "the evaluated prompts, for cross-fitting only (judge such a head with "
+              "`wisv eval --split dev --head PATH`; `wisv eval` refuses it on its own "
+              "problems).")
 @click.option("--code-greedy-tokens", default=128, type=click.IntRange(0),
               help="Also label the target's own greedy completion of each HumanEval "
               "prompt, this many tokens (0: canonical solutions only).")
@@ -84,8 +91,8 @@ class _Bar:
               help="Also write train.json (the manifest) and train.png (label balance, "
               "validation precision and accept rate by threshold) to this folder.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_tokens, n,
-          delta, width, batch, threads, out, figures, no_progress):
+def train(target, draft, dtype, n_code, n_chat, split, code_greedy_tokens, answer_tokens,
+          n, delta, width, batch, threads, out, figures, no_progress):
     """Label greedy mismatches of the real pair on held-out text and fit the head.
 
     \b
@@ -98,6 +105,12 @@ def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_token
     if n_code + n_chat == 0:
         raise click.BadParameter("at least one of --code / --chat must be > 0",
                                  param_hint="--code/--chat")
+    if split == "heldout" and (n_code > 64 or n_chat > 32):
+        raise click.BadParameter("the held-out split has 64 HumanEval / 32 MT-Bench "
+                                 "prompts", param_hint="--code/--chat")
+    if split == "eval" and out is None:
+        raise click.BadParameter("a head trained on the evaluated prompts must not "
+                                 "replace the shipped one: pass --out", param_hint="--out")
     from cloud_api.wisv.train import train_head
 
     bar = _Bar(not no_progress)
@@ -105,7 +118,7 @@ def train(target, draft, dtype, n_code, n_chat, code_greedy_tokens, answer_token
     try:
         man = train_head(target, draft, n_code, n_chat, n, delta, answer_tokens,
                          code_greedy_tokens, out, dtype, threads, widths=(width,),
-                         batch=batch, progress=bar)
+                         batch=batch, progress=bar, split=split)
     finally:
         bar.close()
     m, v = man["metrics"], man["metrics"]["validation"]
@@ -360,8 +373,13 @@ def eval_(quick, target, draft, profiles, n_code, n_chat, max_new_tokens, chat_t
                             chat_tokens=chat_tokens, depth=depth, head=head,
                             max_per_block=max_per_block, strict=strict, relaxed=relaxed,
                             guard=guard, split=split)
+    from bench.wisv_eval import check_head_split
     from cloud_api.wisv.threshold import ThresholdPolicy
 
+    try:
+        check_head_split(head, split)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--head") from None
     try:                                 # the server would refuse it after loading
         ThresholdPolicy(**{k: v for k, v in (("strict", strict), ("relaxed", relaxed))
                            if v is not None})

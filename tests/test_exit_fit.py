@@ -162,3 +162,8 @@ def test_calibration_text_uses_only_held_out_prompts():
     assert len(he) == 64 and len(mt) == 32
     assert not {p.id for p in he} & {p.id for p in load_workload("humaneval", 64)}
     assert not {p.id for p in mt} & {p.id for p in load_workload("mtbench", 48)}
+    he, mt = heldout_prompts(100, 48, split="eval")          # cross-fitting: the others
+    assert [p.id for p in he] == [p.id for p in load_workload("humaneval", 100)]
+    assert [p.id for p in mt] == [p.id for p in load_workload("mtbench", 48)]
+    with pytest.raises(ValueError, match="split"):
+        heldout_prompts(1, 1, split="dev")

@@ -410,3 +410,23 @@ def test_pooled_stats_over_disjoint_folders(tmp_path):
     assert json.loads(r.output.strip().splitlines()[-1])["weak"]["problems"] == 5
     r = CliRunner().invoke(wisv, ["pool", str(tmp_path / "none")])
     assert r.exit_code == 2 and "completions.jsonl" in r.output
+
+
+def test_a_cross_fitting_head_is_refused_on_its_training_problems(tmp_path):
+    """A head trained with ``wisv train --split eval`` is judged on the dev split only."""
+    from click.testing import CliRunner
+
+    from specrelay_cli.wisv import wisv
+
+    head = tmp_path / "x.safetensors"
+    head.write_bytes(b"")
+    head.with_suffix(".json").write_text(json.dumps({"train": {"split": "eval"}}))
+    with pytest.raises(ValueError, match="split dev"):
+        W.check_head_split(str(head), "eval")
+    W.check_head_split(str(head), "dev")
+    W.check_head_split("auto", "eval")
+    head.with_suffix(".json").write_text(json.dumps({"train": {"split": "heldout"}}))
+    W.check_head_split(str(head), "eval")
+    head.with_suffix(".json").write_text(json.dumps({"train": {"split": "eval"}}))
+    r = CliRunner().invoke(wisv, ["eval", "--quick", "--head", str(head)])
+    assert r.exit_code == 2 and "--split dev" in r.output

@@ -205,6 +205,12 @@ def test_train_head_end_to_end_on_tiny_models(tmp_path, monkeypatch):
     assert "index 100" in on_disk["train"]["heldout"] and man["metrics"]["mismatches"] >= 10
     head, _ = load_head(out, hidden_size=32)
     assert head.hidden_size == 32
+    assert on_disk["train"]["split"] == "heldout"
+    cross = T.train_head("tiny", "tiny-draft", n_code=6, n_chat=0, n=2, delta=1.0,
+                         code_greedy_tokens=12, out=tmp_path / "x.safetensors", threads=None,
+                         models=(t, d, tok), split="eval")
+    assert cross["train"]["split"] == "eval" and "cross-fitting" in cross["train"]["heldout"]
+    assert not set(cross["train"]["humaneval"]) & set(on_disk["train"]["humaneval"])
 
 
 def test_train_is_never_imported_by_the_sdk_or_the_server():
@@ -234,7 +240,8 @@ def test_cli_help():
 
 
 @pytest.mark.parametrize("args", [["--delta", "-1"], ["-n", "0"], ["--code", "65"],
-                                  ["--dtype", "int3"]])
+                                  ["--code", "101", "--split", "eval"], ["--chat", "33"],
+                                  ["--split", "eval"], ["--dtype", "int3"]])
 def test_cli_bad_option(args):
     r = _cli(["wisv", "train", *args])
     assert r.exit_code == 2 and "Invalid value" in r.output

@@ -301,7 +301,8 @@ def _cached_answers(target, prompts: dict, n: int, eos, name: str,
 def heldout_sequences(target, tokenizer, n_code: int, n_chat: int,
                       answer_tokens: int = 64, code_greedy_tokens: int = 128,
                       max_len: int = 640, eos: Sequence[int] = (),
-                      progress: Progress | None = None) -> list[TrainSeq]:
+                      progress: Progress | None = None,
+                      split: str = "heldout") -> list[TrainSeq]:
     """The training text, from held-out prompts only:
 
     * ``n_code`` HumanEval problems: prompt + canonical solution (raw completion), and
@@ -313,14 +314,15 @@ def heldout_sequences(target, tokenizer, n_code: int, n_chat: int,
     Greedy answers are generated once and cached under
     ``$SPECRELAY_CACHE/wisv/<target key>/``. Each sequence is cut to ``max_len`` tokens;
     a sequence's ``id`` is its prompt's (``#greedy`` appended for the target's own code
-    completion: both share the prompt's validation group). Raises RuntimeError when the
-    workload data packages are missing.
+    completion: both share the prompt's validation group). ``split="eval"`` takes the
+    evaluated prompts instead (cross-fitting only: :func:`cloud_api.exit_fit.heldout_prompts`).
+    Raises RuntimeError when the workload data packages are missing.
     """
     from cloud_api.exit_fit import heldout_prompts
     from edge_sdk.models import encode_prompt
     from specrelay_data.workloads import humaneval_problems
 
-    he, mt = heldout_prompts(n_code, n_chat)
+    he, mt = heldout_prompts(n_code, n_chat, split)
     sol = {p["task_id"]: p["canonical_solution"] for p in humaneval_problems()}
     seqs = []
     code_prompts = {p.id: encode_prompt(tokenizer, p.text, False) for p in he}
@@ -668,13 +670,16 @@ def train_head(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0
                code_greedy_tokens: int = 128, out: str | os.PathLike | None = None,
                dtype: str = "auto", threads: int | None = 1, widths: Sequence[int] = (0,),
                batch: int = 8, seed: int = 0, models=None,
-               progress: Progress | None = None) -> dict:
+               progress: Progress | None = None, split: str = "heldout") -> dict:
     """Load the pair, build (or read from the cache) the labelled mismatches, fit the
     head and write it with its manifest to ``out`` (default
     :func:`default_head_path` of ``target``). ``models``: ``(target, draft, tokenizer)``
     already loaded (tests). ``threads``: torch threads (1 by default: on a 2-core
     machine shared with other work, 2 threads oversubscribed are several times slower
-    than one; None leaves torch's setting). Returns the manifest.
+    than one; None leaves torch's setting). ``split``: ``heldout`` (the prompts no
+    evaluation reports) or ``eval`` (the evaluated ones, for cross-fitting: such a head
+    is judged with ``wisv eval --split dev``; its manifest says so). Returns the
+    manifest.
 
     Raises ValueError (too few mismatches, bad counts) and what ``load_model`` raises
     (``PartsError`` for a missing preset package).
@@ -684,6 +689,8 @@ def train_head(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0
 
     if n_code < 0 or n_chat < 0 or n_code + n_chat == 0:
         raise ValueError("need n_code + n_chat >= 1 (and both >= 0)")
+    if split not in ("heldout", "eval"):
+        raise ValueError(f"split must be 'heldout' or 'eval', not {split!r}")
     if n < 1:
         raise ValueError("n (rollout tokens) must be >= 1")
     if delta < 0:
@@ -700,7 +707,7 @@ def train_head(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0
     t_load = time.monotonic() - t0
     eos = eos_ids(tm, tok)
     seqs = heldout_sequences(tm, tok, n_code, n_chat, answer_tokens, code_greedy_tokens,
-                             eos=eos, progress=progress)
+                             eos=eos, progress=progress, split=split)
     t1 = time.monotonic()
     ds = build_dataset(tm, dm, seqs, n, eos, batch, progress=progress)
     t_label = time.monotonic() - t1
@@ -715,10 +722,15 @@ def train_head(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0
         "train": {"n": n, "delta": delta, "answer_tokens": answer_tokens,
                   "code_greedy_tokens": code_greedy_tokens,
                   "humaneval": he, "mtbench": mt,
+                  "split": split,
                   "heldout": (f"seed-0 order: HumanEval from index "
                               f"{HELDOUT_START['humaneval']}, MT-Bench from index "
                               f"{HELDOUT_START['mtbench']}; the evaluation uses the "
-                              "first problems of that order (disjoint)"),
+                              "first problems of that order (disjoint)")
+                  if split == "heldout" else
+                  (f"cross-fitting: trained on the evaluated prompts (seed-0 order, "
+                   f"HumanEval before index {HELDOUT_START['humaneval']}, MT-Bench "
+                   f"before {HELDOUT_START['mtbench']}); judge it on the dev split only"),
                   "text": "HumanEval prompt + canonical solution, and prompt + the "
                           "target's greedy completion (code_greedy_tokens); MT-Bench "
                           "first turn (chat template) + the target's greedy answer "
