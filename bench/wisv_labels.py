@@ -44,6 +44,7 @@ def harm_report(rows: list[dict], thresholds=THRESHOLDS) -> dict:
     :func:`cloud_api.wisv.serving.guarded_text`)."""
     import torch
 
+    from cloud_api.wisv.executed import tally
     from cloud_api.wisv.serving import guarded_text
     from cloud_api.wisv.train import auc
 
@@ -56,14 +57,6 @@ def harm_report(rows: list[dict], thresholds=THRESHOLDS) -> dict:
     if run and run[0].get("head_p") is not None:
         out["auc_head"] = round(auc(score("head_p"), 1 - harmed), 4) if tp else None
         out["by_threshold"] = []
-
-        def tally(acc: list[dict]) -> dict:
-            gain = sum(r["draft_passed"] and not r["target_passed"] for r in acc)
-            loss = sum(r["target_passed"] and not r["draft_passed"] for r in acc)
-            return {"accepted": len(acc), "draft_only_passes": gain,
-                    "target_only_passes": loss,
-                    "net": round((gain - loss) / len(acc), 3) if acc else None}
-
         for tau in thresholds:
             acc = [r for r in run if r["head_p"] >= tau]
             free = [r for r in acc if not (guarded_text(r.get("draft_token", ""))
@@ -141,7 +134,8 @@ def check_labels(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder
                     else None
             gap = float(d.score_draft[i] - d.score_target[i])
             hp = None if dhead is None else round(float(dhead.prob(d.features[i:i + 1])[0]), 4)
-            rows.append({"task_id": s.group, "text": text, "row": r, "gap": round(gap, 3), "head_p": hp,
+            rows.append({"task_id": s.group, "text": text, "row": r, "gap": round(gap, 3),
+                         "head_p": hp,
                          "acceptable": gap >= -delta, "completion": comp,
                          "draft_token": tok.decode([first[j]]),
                          "target_token": tok.decode([first[len(part) + j]])})

@@ -28,7 +28,7 @@ import torch
 from cloud_api.wisv.train import Dataset, _fit, auc
 
 __all__ = ["EXECUTED_CRITERION", "load_executed", "out_of_fold", "accept_table",
-           "harm_auc", "compare_heads", "fit_executed"]
+           "harm_auc", "tally", "compare_heads", "fit_executed"]
 
 EXECUTED_CRITERION = (
     "executed tests: at a greedy mismatch (draft argmax d != target argmax t) inside "
@@ -95,6 +95,17 @@ def out_of_fold(ds: Dataset, width: int, l2: float, hidden_scale: float,
     return out
 
 
+def tally(accepted: list[dict]) -> dict:
+    """Executed rows of accepted mismatches: ``accepted`` count, ``draft_only_passes``
+    (accepting gains a pass), ``target_only_passes`` (accepting loses one) and ``net``
+    (their difference per accepted mismatch, 3 decimals; None when none)."""
+    gain = sum(bool(r["draft_passed"] and not r["target_passed"]) for r in accepted)
+    loss = sum(bool(r["target_passed"] and not r["draft_passed"]) for r in accepted)
+    return {"accepted": len(accepted), "draft_only_passes": gain,
+            "target_only_passes": loss,
+            "net": round((gain - loss) / len(accepted), 3) if accepted else None}
+
+
 def accept_table(score: torch.Tensor, rows: list[dict],
                  fractions: Sequence[float] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)) -> list[dict]:
     """Per accept fraction q: accepting the q * N highest-scored mismatches, the
@@ -105,11 +116,11 @@ def accept_table(score: torch.Tensor, rows: list[dict],
     out = []
     for q in fractions:
         k = max(1, round(q * len(order)))
-        acc = [rows[i] for i in order[:k]]
-        gains = sum(r["draft_passed"] and not r["target_passed"] for r in acc)
-        harms = sum(r["target_passed"] and not r["draft_passed"] for r in acc)
-        out.append({"fraction": q, "accepted": k, "threshold": round(float(score[order[k - 1]]), 4),
-                    "gains": gains, "harms": harms, "net": round((gains - harms) / k, 4)})
+        t = tally([rows[i] for i in order[:k]])
+        out.append({"fraction": q, "accepted": k,
+                    "threshold": round(float(score[order[k - 1]]), 4),
+                    "gains": t["draft_only_passes"], "harms": t["target_only_passes"],
+                    "net": t["net"]})
     return out
 
 

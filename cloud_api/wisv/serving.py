@@ -21,8 +21,8 @@ from cloud_api.wisv.head import DecisionHead, load_head
 from cloud_api.wisv.threshold import ChannelState, ThresholdPolicy
 
 __all__ = ["ASSETS", "DEFAULT_GUARD", "DEFAULT_MAX_PER_BLOCK", "GUARDS", "OPTION_KEYS",
-           "SemanticAcceptance", "guarded_text", "guarded_tokens", "shipped_head_path", "semantic_for",
-           "take_options"]
+           "SemanticAcceptance", "guarded_text", "guarded_tokens", "shipped_head_path",
+           "semantic_for", "take_options"]
 
 log = logging.getLogger("cloud_api")
 
@@ -67,8 +67,7 @@ def guarded_tokens(tokenizer, vocab_size: int) -> torch.Tensor:
     texts = tokenizer.batch_decode([[i] for i in range(n)],
                                    clean_up_tokenization_spaces=False)
     out = torch.zeros(int(vocab_size), dtype=torch.bool)
-    for i, t in enumerate(texts):
-        out[i] = guarded_text(t)
+    out[:n] = torch.tensor([guarded_text(t) for t in texts], dtype=torch.bool)
     return out
 
 
