@@ -44,18 +44,16 @@ def harm_report(rows: list[dict], thresholds=THRESHOLDS) -> dict:
     :func:`cloud_api.wisv.serving.guarded_text`)."""
     import torch
 
-    from cloud_api.wisv.executed import tally
+    from cloud_api.wisv.executed import harm_auc, tally
     from cloud_api.wisv.serving import guarded_text
-    from cloud_api.wisv.train import auc
 
     run = [r for r in rows if "draft_passed" in r and "target_passed" in r]
     tp = [r for r in run if r["target_passed"]]
-    harmed = torch.tensor([not r["draft_passed"] for r in tp], dtype=torch.float64)
-    score = lambda k: torch.tensor([r[k] for r in tp], dtype=torch.float64)  # noqa: E731
-    out = {"t_passes": len(tp), "harmed": int(harmed.sum()),
-           "auc_gap": round(auc(score("gap"), 1 - harmed), 4) if tp else None}
+    score = lambda k: torch.tensor([r[k] for r in run], dtype=torch.float64)  # noqa: E731
+    out = {"t_passes": len(tp), "harmed": sum(not r["draft_passed"] for r in tp),
+           "auc_gap": round(harm_auc(score("gap"), run), 4) if tp else None}
     if run and run[0].get("head_p") is not None:
-        out["auc_head"] = round(auc(score("head_p"), 1 - harmed), 4) if tp else None
+        out["auc_head"] = round(harm_auc(score("head_p"), run), 4) if tp else None
         out["by_threshold"] = []
         for tau in thresholds:
             acc = [r for r in run if r["head_p"] >= tau]

@@ -158,3 +158,38 @@ class RawHTTP:
         if self.s is not None:
             self.loop.run_until_complete(self.s.close())
         self.loop.close()
+
+
+# --------------------------------------------------------------------------- process exit
+
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process without the interpreter's final teardown.
+
+    After every test passed, one CI run died with SIGSEGV (exit 139) while the
+    interpreter was finalising: native libraries this suite loads side by side (torch's
+    OpenMP pool, onnxruntime, tokenizers, Ray's core worker, llama.cpp) destroy their
+    threads and static objects in an order nothing here controls. The outcome is decided
+    by then, so the Python-level exit handlers run (Ray and multiprocessing shut their
+    processes down), faulthandler is re-armed for them (a crash there prints every
+    thread's stack), the streams are flushed, and the process exits with pytest's own
+    status; the native teardown that follows a normal exit is skipped."""
+    if not _EXIT_STATUS or os.environ.get("SPECRELAY_TEST_NATIVE_EXIT"):
+        return
+    import atexit
+    import faulthandler
+    import sys
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(_EXIT_STATUS[-1])
