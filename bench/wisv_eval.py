@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 __all__ = ["STOP_SEQUENCES", "EXACT", "SEMANTIC", "EvalConfig", "truncate_completion",
            "execute_completions", "pass_at_1", "paired_stats", "mcnemar_exact",
            "paired_bootstrap_ci", "summarize", "check_head_split", "pooled_stats",
+           "folder_heads", "head_training_ids",
            "run_eval", "rebuild_report", "plot_eval", "print_report"]
 
 EXACT, SEMANTIC = "specrelay", "wisv"
@@ -414,10 +415,15 @@ def run_eval(cfg: EvalConfig, out: str | Path, progress: bool = True,
     for name, n in (("humaneval", cfg.n_code), ("mtbench", cfg.n_chat)):
         if n:
             prompt_sets[name] = split_prompts(name, n, cfg.split)
+    note = ""
+    if cfg.split == "dev":
+        ids = {q.id for q in prompt_sets.get("humaneval", [])}
+        seen = len(ids & head_training_ids(cfg.head, cfg.target))
+        note = (f"; dev split ({'the shipped head' if cfg.head == 'auto' else cfg.head} "
+                f"was trained on {seen} of its {len(ids)} HumanEval problems)")
     log(f"wisv eval: {cfg.n_code} HumanEval x {cfg.max_new_tokens} tokens, {cfg.n_chat} "
         f"MT-Bench x {cfg.chat_tokens} tokens, modes {EXACT} (exact) and {SEMANTIC} "
-        f"(semantic), profiles {','.join(cfg.profiles)}"
-        + ("; dev split (the head's training problems)" if cfg.split == "dev" else ""))
+        f"(semantic), profiles {','.join(cfg.profiles)}{note}")
     results = run_bench(_bench_config(cfg, prompt_sets), out / "bench", progress=progress,
                         log=log)
     t_bench = time.monotonic() - t0
@@ -479,6 +485,46 @@ def rebuild_report(out: str | Path) -> dict:
 
 
 # --------------------------------------------------------------------------- output
+
+def head_training_ids(head: str, target: str | None) -> set[str]:
+    """Prompt ids (``HumanEval/11``, ``mtbench/116``) whose mismatches trained the WISV
+    head ``head`` (``auto``: the shipped head of preset ``target``; else a head file),
+    from its manifest's ``train`` lists (greedy-completion variants ``ID#greedy`` count
+    as ``ID``). Empty when the head or its manifest is missing or has no such lists."""
+    from cloud_api.wisv.serving import shipped_head_path
+
+    path = shipped_head_path(target) if head == "auto" else Path(head)
+    if path is None:
+        return set()
+    try:
+        train = json.loads(Path(path).with_suffix(".json").read_text()).get("train", {})
+    except (OSError, ValueError):
+        return set()
+    ids = [i for k in ("humaneval", "mtbench") if isinstance(train.get(k), list)
+           for i in train[k]]
+    return {str(i).split("#")[0] for i in ids}
+
+
+def folder_heads(folders: Sequence[str | Path]) -> list[dict]:
+    """Per finished ``wisv eval`` folder: ``{"folder", "head", "problems",
+    "in_head_training"}``, the HumanEval problems it judged and how many of them the
+    judging head was trained on (0: held out; read from ``wisv_eval.json`` and the
+    head's manifest, :func:`head_training_ids`). ``None`` counts where the folder has
+    no ``wisv_eval.json``."""
+    rows = []
+    for folder in folders:
+        try:
+            cfg = json.loads((Path(folder) / "wisv_eval.json").read_text())["config"]
+        except (OSError, ValueError, KeyError):
+            rows.append({"folder": str(folder), "head": None, "problems": None,
+                         "in_head_training": None})
+            continue
+        ids = set(cfg.get("humaneval_ids", []))
+        seen = head_training_ids(cfg.get("head", "auto"), cfg.get("target"))
+        rows.append({"folder": str(folder), "head": cfg.get("head", "auto"),
+                     "problems": len(ids), "in_head_training": len(ids & seen)})
+    return rows
+
 
 def pooled_stats(folders: Sequence[str | Path]) -> dict:
     """pass@1 exact vs semantic pooled over finished evaluations on disjoint problems

@@ -287,21 +287,29 @@ def fit_executed(reports, target, reference, folds, out, json_out):
 
 @wisv.command("pool")
 @click.argument("folders", nargs=-1, required=True, type=click.Path(file_okay=False))
-def pool(folders):
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False),
+              help="Also write the JSON object to this file.")
+def pool(folders, json_out):
     """Pool HumanEval pass@1 of finished `wisv eval` folders on disjoint problems.
 
     \b
-    Per profile: pass@1 exact and semantic over all their problems, the paired
+    Per folder: its head and how many of its problems that head was trained on (0: held
+    out). Per profile: pass@1 exact and semantic over all their problems, the paired
     difference with its bootstrap 95 % interval and the exact McNemar p; then one JSON
-    object. Example (the eval split's 100 problems and the dev split's 64):
-      specrelay wisv pool docs/figures/wisv/d16-100 docs/figures/wisv/dev-64
+    object {"profiles", "folders"}. Example (the eval split's 100 problems judged by the
+    shipped head, the dev split's 64 by a head cross-fitted on the eval split):
+      specrelay wisv pool docs/figures/wisv/d16-100 docs/figures/wisv/xfit-dev-64 --json docs/figures/wisv/pool_heldout_164.json
     """
-    from bench.wisv_eval import pooled_stats
+    from bench.wisv_eval import folder_heads, pooled_stats
 
     try:
         res = pooled_stats(folders)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="FOLDERS") from None
+    heads = folder_heads(folders)
+    for h in heads:
+        click.echo(f"{h['folder']}: head {h['head']}, {h['problems']} HumanEval problems, "
+                   f"{h['in_head_training']} of them in the head's training set")
     for prof, st in res.items():
         lo, hi = st["pass1_diff_ci95"]
         click.echo(f"{prof:14s} pass@1 exact {st['pass1_exact']:.3f} semantic "
@@ -309,7 +317,10 @@ def pool(folders):
                    f"95 % CI [{100 * lo:+.1f}, {100 * hi:+.1f}], McNemar p "
                    f"{st['mcnemar_p']:.3f}; {st['only_exact_passed']} only exact, "
                    f"{st['only_semantic_passed']} only semantic; {st['problems']} problems)")
-    click.echo(json.dumps(res))
+    rep = {"profiles": res, "folders": heads}
+    click.echo(json.dumps(rep))
+    if json_out:
+        Path(json_out).write_text(json.dumps(rep, indent=1) + "\n")
 
 
 @wisv.command("eval", context_settings={"show_default": True})
@@ -350,9 +361,9 @@ def pool(folders):
               "server's, off].")
 @click.option("--split", default="eval", type=click.Choice(["eval", "dev"]),
               help="eval: the first problems of the seed-0 order (never seen by the "
-              "head); dev: the 64 HumanEval / 32 MT-Bench prompts after them, the "
-              "head's training prompts (in-sample for the head: for checking a serving "
-              "rule on problems the evaluation does not report).")
+              "shipped head); dev: the 64 HumanEval / 32 MT-Bench prompts after them, "
+              "the shipped head's training prompts (in-sample for it; held out for a "
+              "head cross-fitted with `wisv train --split eval`).")
 @click.option("--out", "-o", default="wisv-eval", type=click.Path(file_okay=False),
               help="Folder for wisv_eval.json, wisv_eval.png and requests.jsonl.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")

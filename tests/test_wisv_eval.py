@@ -405,11 +405,43 @@ def test_pooled_stats_over_disjoint_folders(tmp_path):
         W.pooled_stats([a, folder("c", [(W.EXACT, "T/2", True), (W.SEMANTIC, "T/2", True)])])
     with pytest.raises(ValueError, match="both modes"):
         W.pooled_stats([folder("d", [(W.EXACT, "T/9", True)])])
-    r = CliRunner().invoke(wisv, ["pool", str(a), str(b)])
+    r = CliRunner().invoke(wisv, ["pool", str(a), str(b), "--json", str(tmp_path / "p.json")])
     assert r.exit_code == 0 and "-20.0 pt" in r.output
-    assert json.loads(r.output.strip().splitlines()[-1])["weak"]["problems"] == 5
+    got = json.loads(r.output.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "p.json").read_text()) == got
+    assert got["profiles"]["weak"]["problems"] == 5
+    assert got["folders"][0] == {"folder": str(a), "head": None, "problems": None,
+                                 "in_head_training": None}
     r = CliRunner().invoke(wisv, ["pool", str(tmp_path / "none")])
     assert r.exit_code == 2 and "completions.jsonl" in r.output
+
+
+def test_folder_heads_counts_problems_the_head_trained_on(tmp_path):
+    """``wisv pool`` says per folder how many judged problems its head was trained on:
+    the shipped head's manifest lists the dev split (all 64 in-sample, none of the eval
+    split), and a cross-fitted head's manifest its own problems (``#greedy`` variants
+    count once)."""
+    from cloud_api.wisv.serving import shipped_head_path
+
+    def folder(name, head, ids):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "wisv_eval.json").write_text(json.dumps({"config": {
+            "head": head, "target": "qwen2.5-coder-1.5b", "humaneval_ids": ids}}))
+        return d
+
+    shipped = W.head_training_ids("auto", "qwen2.5-coder-1.5b")
+    assert shipped_head_path("qwen2.5-coder-1.5b") is not None
+    dev = [q.id for q in W.split_prompts("humaneval", 64, "dev")]
+    ev = [q.id for q in W.split_prompts("humaneval", 100, "eval")]
+    assert set(dev) <= shipped and not set(ev) & shipped
+    head = tmp_path / "b.safetensors"
+    head.with_suffix(".json").write_text(json.dumps({"train": {
+        "humaneval": [ev[0], ev[0] + "#greedy", ev[1]], "mtbench": ["mtbench/1"]}}))
+    rows = W.folder_heads([folder("e", "auto", list(ev)), folder("d", "auto", list(dev)),
+                           folder("x", str(head), list(dev) + [ev[0]])])
+    assert [r["in_head_training"] for r in rows] == [0, 64, 1]
+    assert rows[2]["problems"] == 65 and rows[2]["head"] == str(head)
 
 
 def test_a_cross_fitting_head_is_refused_on_its_training_problems(tmp_path):
