@@ -42,7 +42,7 @@ class EdgeClient:
         tokenizer: shared by draft and target (checked by fingerprint at session create).
         depth: draft depth per block when no ``controller`` is given (fixed; clamped
             to 1..max_block of the server and to the tokens left). Default
-            :data:`edge_sdk.defaults.DEFAULT_DEPTH` (6).
+            :data:`edge_sdk.defaults.DEFAULT_DEPTH` (8).
         mode: ``asym`` (token, q pairs on the uplink; staged correction) or ``standard``
             (baseline: full q per position uploaded, cloud draws corrections).
         eps_req: request TV budget for bounded corrections (0 = exact).

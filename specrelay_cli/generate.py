@@ -175,7 +175,7 @@ def _untrained_note(draft: str) -> str | None:
 
 
 def _policy(kw: dict) -> str:
-    """The draft policy in words (``depth 6 + ipdg + send-ahead``)."""
+    """The draft policy in words (``depth 8 + ipdg + send-ahead``)."""
     policy = (f"depth {kw['depth']}" if kw["controller"] == "fixed"
               else f"{kw['controller']} depth")
     if kw["proactive"] != "off":

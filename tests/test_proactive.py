@@ -384,7 +384,7 @@ def test_sdk_defaults_are_the_benchmarked_policy(svc, tok, close_draft, referenc
 
     c = EdgeClient("inproc://", None, tok)
     assert (c.depth, c.proactive, c.send_ahead) == (DEFAULT_DEPTH, DEFAULT_PROACTIVE, True)
-    assert (DEFAULT_DEPTH, DEFAULT_PROACTIVE) == (6, "ipdg")
+    assert (DEFAULT_DEPTH, DEFAULT_PROACTIVE) == (8, "ipdg")
     assert EdgeClient("inproc://", None, tok, proactive="off").send_ahead is False
 
     async def main():
