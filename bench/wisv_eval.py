@@ -418,9 +418,11 @@ def run_eval(cfg: EvalConfig, out: str | Path, progress: bool = True,
     note = ""
     if cfg.split == "dev":
         ids = {q.id for q in prompt_sets.get("humaneval", [])}
-        seen = len(ids & head_training_ids(cfg.head, cfg.target))
-        note = (f"; dev split ({'the shipped head' if cfg.head == 'auto' else cfg.head} "
-                f"was trained on {seen} of its {len(ids)} HumanEval problems)")
+        seen = head_training_ids(cfg.head, cfg.target)
+        who = "the shipped head" if cfg.head == "auto" else cfg.head
+        note = (f"; dev split ({who}: training problems unknown)" if seen is None else
+                f"; dev split ({who} was trained on {len(ids & seen)} of its {len(ids)} "
+                "HumanEval problems)")
     log(f"wisv eval: {cfg.n_code} HumanEval x {cfg.max_new_tokens} tokens, {cfg.n_chat} "
         f"MT-Bench x {cfg.chat_tokens} tokens, modes {EXACT} (exact) and {SEMANTIC} "
         f"(semantic), profiles {','.join(cfg.profiles)}{note}")
@@ -486,23 +488,25 @@ def rebuild_report(out: str | Path) -> dict:
 
 # --------------------------------------------------------------------------- output
 
-def head_training_ids(head: str, target: str | None) -> set[str]:
+def head_training_ids(head: str, target: str | None) -> set[str] | None:
     """Prompt ids (``HumanEval/11``, ``mtbench/116``) whose mismatches trained the WISV
     head ``head`` (``auto``: the shipped head of preset ``target``; else a head file),
     from its manifest's ``train`` lists (greedy-completion variants ``ID#greedy`` count
-    as ``ID``). Empty when the head or its manifest is missing or has no such lists."""
+    as ``ID``). None when the head or its manifest is missing or lists neither (unknown:
+    never read as held out)."""
     from cloud_api.wisv.serving import shipped_head_path
 
     path = shipped_head_path(target) if head == "auto" else Path(head)
     if path is None:
-        return set()
+        return None
     try:
         train = json.loads(Path(path).with_suffix(".json").read_text()).get("train", {})
-    except (OSError, ValueError):
-        return set()
-    ids = [i for k in ("humaneval", "mtbench") if isinstance(train.get(k), list)
-           for i in train[k]]
-    return {str(i).split("#")[0] for i in ids}
+    except (OSError, ValueError, AttributeError):
+        return None
+    lists = [train[k] for k in ("humaneval", "mtbench") if isinstance(train.get(k), list)]
+    if not lists:
+        return None
+    return {str(i).split("#")[0] for ids in lists for i in ids}
 
 
 def folder_heads(folders: Sequence[str | Path]) -> list[dict]:
@@ -510,7 +514,7 @@ def folder_heads(folders: Sequence[str | Path]) -> list[dict]:
     "in_head_training"}``, the HumanEval problems it judged and how many of them the
     judging head was trained on (0: held out; read from ``wisv_eval.json`` and the
     head's manifest, :func:`head_training_ids`). ``None`` counts where the folder has
-    no ``wisv_eval.json``."""
+    no ``wisv_eval.json`` or the head's training problems are unknown."""
     rows = []
     for folder in folders:
         try:
@@ -522,7 +526,8 @@ def folder_heads(folders: Sequence[str | Path]) -> list[dict]:
         ids = set(cfg.get("humaneval_ids", []))
         seen = head_training_ids(cfg.get("head", "auto"), cfg.get("target"))
         rows.append({"folder": str(folder), "head": cfg.get("head", "auto"),
-                     "problems": len(ids), "in_head_training": len(ids & seen)})
+                     "problems": len(ids),
+                     "in_head_training": None if seen is None else len(ids & seen)})
     return rows
 
 

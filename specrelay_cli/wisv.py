@@ -308,8 +308,10 @@ def pool(folders, json_out):
         raise click.BadParameter(str(e), param_hint="FOLDERS") from None
     heads = folder_heads(folders)
     for h in heads:
+        trained = ("the head's training problems unknown" if h["in_head_training"] is None
+                   else f"{h['in_head_training']} of them in the head's training set")
         click.echo(f"{h['folder']}: head {h['head']}, {h['problems']} HumanEval problems, "
-                   f"{h['in_head_training']} of them in the head's training set")
+                   f"{trained}")
     for prof, st in res.items():
         lo, hi = st["pass1_diff_ci95"]
         click.echo(f"{prof:14s} pass@1 exact {st['pass1_exact']:.3f} semantic "

@@ -442,6 +442,11 @@ def test_folder_heads_counts_problems_the_head_trained_on(tmp_path):
                            folder("x", str(head), list(dev) + [ev[0]])])
     assert [r["in_head_training"] for r in rows] == [0, 64, 1]
     assert rows[2]["problems"] == 65 and rows[2]["head"] == str(head)
+    bare = tmp_path / "bare.safetensors"                 # a manifest without the lists
+    bare.with_suffix(".json").write_text(json.dumps({"train": {"humaneval": 64}}))
+    assert W.head_training_ids(str(bare), None) is None
+    assert W.head_training_ids(str(tmp_path / "none.safetensors"), None) is None
+    assert W.folder_heads([folder("u", str(bare), list(ev))])[0]["in_head_training"] is None
 
 
 def test_a_cross_fitting_head_is_refused_on_its_training_problems(tmp_path):
