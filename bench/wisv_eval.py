@@ -387,12 +387,7 @@ def check_head_split(head: str, split: str) -> None:
     the latter)."""
     if head == "auto" or split != "eval":
         return
-    mpath = Path(head).with_suffix(".json")
-    try:
-        man = json.loads(mpath.read_text())
-    except (OSError, ValueError):
-        return
-    if (man.get("train") or {}).get("split") == "eval":
+    if (_head_train(head, None) or {}).get("split") == "eval":
         raise ValueError(f"WISV head {head} was trained on the evaluation problems "
                          "(wisv train --split eval): judge it with --split dev")
 
@@ -488,21 +483,29 @@ def rebuild_report(out: str | Path) -> dict:
 
 # --------------------------------------------------------------------------- output
 
-def head_training_ids(head: str, target: str | None) -> set[str] | None:
-    """Prompt ids (``HumanEval/11``, ``mtbench/116``) whose mismatches trained the WISV
-    head ``head`` (``auto``: the shipped head of preset ``target``; else a head file),
-    from its manifest's ``train`` lists (greedy-completion variants ``ID#greedy`` count
-    as ``ID``). None when the head or its manifest is missing or lists neither (unknown:
-    never read as held out)."""
+def _head_train(head: str, target: str | None) -> dict | None:
+    """The ``train`` record of a WISV head's manifest (``auto``: the shipped head of
+    preset ``target``; else the head file's ``.json`` beside it); None when the head or
+    its manifest is missing or unreadable."""
     from cloud_api.wisv.serving import shipped_head_path
 
     path = shipped_head_path(target) if head == "auto" else Path(head)
     if path is None:
         return None
     try:
-        train = json.loads(Path(path).with_suffix(".json").read_text()).get("train", {})
+        train = json.loads(Path(path).with_suffix(".json").read_text()).get("train")
     except (OSError, ValueError, AttributeError):
         return None
+    return train if isinstance(train, dict) else None
+
+
+def head_training_ids(head: str, target: str | None) -> set[str] | None:
+    """Prompt ids (``HumanEval/11``, ``mtbench/116``) whose mismatches trained the WISV
+    head ``head`` (``auto``: the shipped head of preset ``target``; else a head file),
+    from its manifest's ``train`` lists (greedy-completion variants ``ID#greedy`` count
+    as ``ID``). None when the head or its manifest is missing or lists neither (unknown:
+    never read as held out)."""
+    train = _head_train(head, target) or {}
     lists = [train[k] for k in ("humaneval", "mtbench") if isinstance(train.get(k), list)]
     if not lists:
         return None
