@@ -91,7 +91,7 @@ class BenchConfig:
 
 _QUICK_BASIC = ["cloud-ar", "standard-sd", "specrelay", "sr-ahead"]
 _QUICK_ADAPTIVE = ["caac", "fixed-3", "fixed-5"]          # medium and medium+slow
-_QUICK_PROACTIVE = ["stop-and-wait", "ipdg", "npdg"]      # medium, at --depth
+_QUICK_PROACTIVE = ["stop-and-wait", "ipdg", "npdg"]      # medium and medium+slow, at --depth
 _QUICK_PEERS = ["llamacpp-ar", "llamacpp-spec"]
 _QUICK_CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent"]
 QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PEERS
@@ -102,14 +102,16 @@ QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PE
              concurrent_profiles=["weak"], concurrent_workloads=["humaneval"],
              concurrent_max_new_tokens=16, concurrent_depth=1,
              edge_slowdown=3.0, slowdown_at_s=3.0,
-             mode_profiles={**{m: ["medium"] for m in _QUICK_BASIC + _QUICK_PROACTIVE
-                               + _QUICK_PEERS},
-                            **{m: ["medium", "medium+slow"] for m in _QUICK_ADAPTIVE}},
+             mode_profiles={**{m: ["medium"] for m in _QUICK_BASIC + _QUICK_PEERS},
+                            **{m: ["medium", "medium+slow"]
+                               for m in _QUICK_ADAPTIVE + _QUICK_PROACTIVE}},
              mode_workloads=None)
 """``--quick`` settings (the default pair; about 12 minutes measured on 2 quiet CPU cores, over the 10 aimed for): 4 greedy
-HumanEval prompts x 32 tokens per cell. The basic modes, IPDG / NPDG / stop-and-wait
-(at ``--depth``) and the llama.cpp peers on ``medium``; CAAC and fixed depths 3 and 5 on
-``medium`` and ``medium+slow`` (3x slower draft forwards from 3 s into each run); the
+HumanEval prompts x 32 tokens per cell. The basic modes and the llama.cpp peers on
+``medium``; CAAC and fixed depths 3 and 5, and IPDG / NPDG / stop-and-wait (at
+``--depth``), on ``medium`` and ``medium+slow`` (3x slower draft forwards from 3 s into
+each run: where a verdict can arrive while a proactive branch is still being drafted,
+so IPDG's interruption acts); the
 confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16 tokens, depth 1,
 on ``weak``. Ratio rows: uplink vs standard-sd, specrelay vs cloud-ar, caac vs
 best-fixed, ipdg vs npdg / stop-and-wait, pipeline vs the strongest baseline, and each

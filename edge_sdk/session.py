@@ -90,11 +90,18 @@ class RemoteSession:
         self._channels: dict[int, tuple] = {}    # block seq -> the state it carries
         self.sid: int | None = None
         self.vocab = 0                        # the target's vocabulary (from create)
-        self.max_block = MAX_DRAFT_TOKENS     # until the cloud says its own
+        self.max_block = self._body_cap(MAX_DRAFT_TOKENS)   # until the cloud says its own
         self.seq, self.pending = 0, None
         self.path: str | None = None          # /v1/sessions/{sid} once created
         self.siblings = None                  # a SiblingPolicy (greedy sibling trees)
         self.max_tree_rows = 0                # the cloud's tree limit (0: no trees)
+
+    def _body_cap(self, max_block: int) -> int:
+        """``max_block`` capped, for a ``standard`` session, at the block whose full
+        distributions fit one request body (:func:`wire.max_full_rows`)."""
+        if self.params.mode != "standard" or not self.params.draft_vocab:
+            return max_block
+        return min(max_block, wire.max_full_rows(self.params.draft_vocab))
 
     async def call(self, method: str, path: str, body: bytes = b"", on_early=None) -> bytes:
         kw = {} if on_early is None else {"on_early": on_early}    # FSD transports only
@@ -119,7 +126,7 @@ class RemoteSession:
             data = await self.call("POST", "/v1/sessions", wire.pack(body))
         info = wire.unpack(data)
         self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
-        self.max_block = int(info.get("max_block", self.max_block))
+        self.max_block = self._body_cap(int(info.get("max_block", self.max_block)))
         self.max_tree_rows = int(info.get("max_tree_rows", 0))
         self.seq, self.pending = 0, None
         self._channels.clear()

@@ -90,9 +90,11 @@ def test_proactive_timing_and_depths():
 
 
 def test_quick_preset_has_the_adaptive_group():
-    for m in ("caac", "fixed-3", "fixed-5"):       # caac vs best-fixed, with contention
+    # caac vs best-fixed, and ipdg vs npdg / stop-and-wait (same depth), with and without
+    # the mid-run edge slowdown under which IPDG's interruption acts (RAPID)
+    for m in ("caac", "fixed-3", "fixed-5", "ipdg", "npdg", "stop-and-wait"):
         assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium", "medium+slow"]
-    for m in ("ipdg", "npdg", "stop-and-wait"):    # same profile, same depth
+    for m in ("cloud-ar", "specrelay", "sr-ahead"):
         assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium"]
     assert sum(m.startswith("fixed-") for m in QUICK["modes"]) >= 2
     assert QUICK["prompts"] >= 4 and QUICK["max_new_tokens"] >= 32

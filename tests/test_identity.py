@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +62,34 @@ def test_tiny_greedy_identity(server, tok, target, close_draft, depth, mode):
     assert out.token_ids == ref.token_ids
     assert out.text == ref.text and out.finish_reason == ref.finish_reason
     assert out.metrics["drafted_tokens"] > 0
+
+
+def test_standard_mode_caps_its_block_at_the_body_limit():
+    """The standard baseline uploads g x V float64 per block: with a Qwen-sized
+    vocabulary a depth-8 block (9.7 MB) would exceed the 8 MiB body limit and get 413.
+    The session caps its blocks at the rows that fit (6 for V = 151,936), so the
+    default depth works, and the output stays the target's."""
+    from edge_sdk.protocol import wire
+    from tests.conftest import tiny_tokenizer
+
+    v = 151_936
+    rows = wire.max_full_rows(v)
+    assert rows == 6
+    q = np.full((rows, v), 1.0 / v)
+    fits = wire.VerifyRequest(1, 0, 3, 0, None, np.arange(rows), q[:, 0], q)
+    assert len(fits.encode(v)) <= wire.MAX_BODY_BYTES
+    over = wire.VerifyRequest(1, 0, 3, 0, None, np.arange(rows + 1),
+                              np.full(rows + 1, 1.0 / v), np.full((rows + 1, v), 1.0 / v))
+    assert len(over.encode(v)) > wire.MAX_BODY_BYTES
+    big_tok = tiny_tokenizer(v)
+    tgt = tiny_model(vocab=v, hidden=16, seed=0)
+    drf = tiny_model(vocab=v, hidden=16, seed=1, like=tgt, noise=0.005)
+    with BackgroundServer(create_app(tgt, big_tok)) as srv:
+        ref, out = asyncio.run(_pair(srv.url, TorchDrafter(drf), big_tok, [5, 9, 11], 8,
+                                     mode="standard", n=16))
+    assert out.token_ids == ref.token_ids
+    assert out.metrics["drafted_tokens"] > 0
+    assert max(out.metrics["depth_hist"]) <= rows
 
 
 @pytest.mark.parametrize("depth", [1, 3, 8])

@@ -74,6 +74,24 @@ STREAM_SEQ = "application/x-msgpack-seq"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
+FULL_ROW_HEADROOM = 64 * 1024
+"""Bytes of a verify body kept for everything but the full distributions (header,
+token ids, q values, siblings) when sizing a standard block."""
+
+
+def max_full_rows(vocab_size: int) -> int:
+    """The most draft positions whose full draft distributions (``q_full``: g x V
+    float64, the ``standard`` baseline's upload, Leviathan et al. 2023 as deployed
+    edge-to-cloud) fit one verify body of :data:`MAX_BODY_BYTES`; at least 1.
+
+    E.g. V = 151,936 (Qwen2.5): 6 rows (7.3 MB; 7 would be 8.5 MB). A standard session
+    caps its blocks there, so a deeper draft depth shortens its blocks instead of
+    getting 413 ``body_too_large``."""
+    if vocab_size < 1:
+        raise ValueError("vocab_size must be >= 1")
+    return max(1, (MAX_BODY_BYTES - FULL_ROW_HEADROOM) // (8 * int(vocab_size)))
+
+
 class WireError(ValueError):
     """A malformed message. ``field`` names what was wrong (for the 4xx JSON body)."""
 
