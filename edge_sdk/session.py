@@ -52,17 +52,30 @@ class SessionParams:
     vocab: int
     acceptance: str = "exact"
 
-    def body(self, prompt_ids: list[int], max_new: int) -> dict:
-        """The create request's map (``POST /v1/sessions``)."""
-        body = {"prompt_ids": prompt_ids, "sampling": self.cfg.to_dict(), "seed": self.seed,
-                "max_new_tokens": max_new, "tokenizer_hash": self.tokenizer_hash,
-                "mode": self.mode, "support_k": self.support_k,
-                "n_proposals": self.n_proposals}
-        body["support_k"] = max(1, min(self.support_k, self.vocab))      # K <= V
+    def body(self, prompt_ids: list[int], max_new: int, packed: bool = True) -> dict:
+        """The create request's map (``POST /v1/sessions``). ``packed``: the prompt as
+        ``prompt_packed`` (:func:`wire.pack_prompt`; ~0.6x the bytes on Qwen2.5's
+        vocabulary) where that is shorter than the ``prompt_ids`` array. Fields equal to their wire defaults
+        (:data:`wire.SESSION_DEFAULTS`, the default sampling values) are left out: on a
+        32-token request the create is most of the uplink."""
+        dflt, greedy = wire.SESSION_DEFAULTS, SamplingConfig().to_dict()
+        sampling = {k: v for k, v in self.cfg.to_dict().items() if v != greedy[k]}
+        body = {"prompt_ids": [int(t) for t in prompt_ids]}
+        if packed:                       # the shorter form (a short prompt of small ids
+            z = wire.pack_prompt(prompt_ids)          # is shorter as the array)
+            if len(z) + 3 < len(wire.pack(body["prompt_ids"])):
+                body = {"prompt_packed": z}
+        body.update({"sampling": sampling, "seed": self.seed, "max_new_tokens": max_new,
+                     "tokenizer_hash": self.tokenizer_hash, "mode": self.mode,
+                     "support_k": max(1, min(self.support_k, self.vocab)),    # K <= V
+                     "n_proposals": self.n_proposals, "acceptance": self.acceptance})
+        if not sampling:
+            del body["sampling"]
+        for k, v in dflt.items():
+            if body.get(k) == v:
+                del body[k]
         if self.draft_vocab is not None:
             body["vocab_size"] = self.draft_vocab
-        if self.acceptance != "exact":
-            body["acceptance"] = self.acceptance
         return body
 
 
@@ -115,15 +128,24 @@ class RemoteSession:
         returns the cloud's answer (``eos_token_ids``, ``max_block``, ...). The body
         carries a fresh ``request_id``: the transport's retries resend the same bytes,
         so a create whose answer was lost gets the same session, not a second one (a
-        server that does not know the field is asked again without it)."""
-        body = self.params.body(prompt_ids, max_new)
-        try:
-            data = await self.call("POST", "/v1/sessions", wire.pack(
-                {**body, "request_id": secrets.token_urlsafe(12)}))
-        except RemoteError as e:
-            if e.status not in (400, 422) or e.field != "request_id":
-                raise
-            data = await self.call("POST", "/v1/sessions", wire.pack(body))
+        server that does not know ``request_id`` or ``prompt_packed`` is asked again
+        without it)."""
+        packed, rid = True, {"request_id": secrets.token_urlsafe(12)}
+        while True:
+            body = {**self.params.body(prompt_ids, max_new, packed), **rid}
+            try:
+                data = await self.call("POST", "/v1/sessions", wire.pack(body))
+                break
+            except RemoteError as e:
+                # a server older than the field: ask again in the form it knows
+                if e.status not in (400, 422) or not (
+                        (e.field == "prompt_packed" and packed)
+                        or (e.field == "request_id" and rid)):
+                    raise
+                if e.field == "prompt_packed":
+                    packed = False
+                else:
+                    rid = {}
         info = wire.unpack(data)
         self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
         self.max_block = self._body_cap(int(info.get("max_block", self.max_block)))

@@ -240,6 +240,10 @@ def session_request(seed):
         "prompt_ids": lambda: g.r.choice([
             [g.r.choice([0, 5, 63, 64, -1]) for _ in range(g.r.randint(0, 4))],
             [5] * g.r.choice([255, 256, 257, 300]), [g.leaf() for _ in range(2)], g.leaf()]),
+        "prompt_packed": lambda: g.r.choice([
+            wire.pack_prompt([g.r.choice([0, 5, 63, 64, 127, 128]) for _ in range(
+                g.r.randint(1, 300))]), wire.pack_prompt([5, 6])[:-1],
+            g.r.randbytes(g.r.randint(0, 8)), g.leaf()]),
         "sampling": lambda: g.r.choice([
             {g.r.choice(SKEYS): g.r.choice([g.int(), g.r.choice(FLOATS), g.leaf()])
              for _ in range(g.r.randint(0, 4))}, g.any(1)]),

@@ -87,7 +87,7 @@ class CloudStreamClient:
                             max_new_tokens: int) -> dict:
         from edge_sdk.models import tokenizer_fingerprint
 
-        body = wire.pack({"prompt_ids": list(prompt_ids), "sampling": cfg.to_dict(),
+        body = wire.pack({"prompt_packed": wire.pack_prompt(prompt_ids), "sampling": cfg.to_dict(),
                           "seed": seed, "max_new_tokens": max_new_tokens,
                           "tokenizer_hash": tokenizer_fingerprint(self.tokenizer)})
         data, _ = await self.transport.request("POST", "/v1/sessions", body)
