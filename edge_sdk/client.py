@@ -21,7 +21,7 @@ from edge_sdk.control import DepthController, FixedDepth, make_controller
 from edge_sdk.control.siblings import SiblingPolicy
 from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
 from edge_sdk.drafters.base import Drafter
-from edge_sdk.generation import Generation
+from edge_sdk.generation import PREFILL_STEPS, Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
 from edge_sdk.proactive import MODES as PROACTIVE_MODES
 from edge_sdk.protocol.limits import MAX_PROACTIVE_ROOTS
@@ -121,6 +121,16 @@ class EdgeClient:
             the tokens accepted that way (``TokenEvent.semantic``) and reports them
             (``GenerationResult.semantic_accepted_tokens``, ``exact_target_output``,
             ``metrics["semantic_accepted_tokens"]``).
+        prefill_steps: when the cloud session is open before the draft model has
+            prefilled the prompt (a busy or slow device, a long prompt: the draft's
+            prefill can outlast the target's), take target steps (an empty block: the
+            cloud commits its own next token, one per round) until the draft is
+            ready, then speculate; the TTFT is then the target's own, not the draft's
+            prefill. ``greedy`` (default): greedy requests only; ``always``: sampled
+            ones too; ``off``: wait for the draft. Greedy output is the target's either
+            way; a sampled one is drawn from the target's distribution either way, but
+            its draws depend on where its blocks start, so with steps (their number
+            depends on timing) a seed no longer reproduces it run to run.
         link: the link the semantic channel report describes: anything with
             ``rtt_s`` (seconds) and ``uplink_bps`` (bits per second), e.g. a benchmark
             network profile; None: measured (:class:`edge_sdk.channel.ChannelEstimator`).
@@ -137,7 +147,8 @@ class EdgeClient:
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
                  ssl_context=None, local_target=None, acceptance: str = "exact",
-                 link=None, siblings=None, carry_controller: bool = True):
+                 link=None, siblings=None, carry_controller: bool = True,
+                 prefill_steps: str = "greedy"):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE}")
         ChannelEstimator(link)                      # validate early
@@ -174,6 +185,9 @@ class EdgeClient:
         self._warm: dict[str, DepthController] = {}     # registry name -> last state
         self.proactive, self.proactive_roots = proactive, int(proactive_roots)
         self.send_ahead = bool(send_ahead)
+        if prefill_steps not in PREFILL_STEPS:
+            raise ValueError(f"prefill_steps must be one of {PREFILL_STEPS}")
+        self.prefill_steps = prefill_steps
         self.drafter, self.tokenizer = drafter, tokenizer
         self.depth, self.mode, self.eps_req, self.correction = depth, mode, eps_req, correction
         self.support_k, self.n_proposals, self.chat = support_k, n_proposals, chat

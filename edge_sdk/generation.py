@@ -36,6 +36,18 @@ from edge_sdk.results import CloudUnreachable, GenerationResult, TokenEvent
 from edge_sdk.session import Ahead, RemoteSession, SessionParams
 
 
+PREFILL_STEPS = ("greedy", "always", "off")
+"""``EdgeClient(prefill_steps=...)``: which requests take target steps while the draft
+is still prefilling the prompt (:meth:`Generation._open`)."""
+PREFILL_GRACE_S = 0.1
+"""Seconds a request waits, once its session is open, for a draft prefill still
+running before it takes target steps instead. A step (a round trip plus a one-token
+target pass: ~150-250 ms on the default pair) started just before the prefill ends
+delays the first speculative round by up to its own length for one token, about what
+speculation commits in ~100 ms there; a shorter wait would also make the round
+structure of a fast device depend on scheduling noise."""
+
+
 class Generation:
     """One request (async iterator of :class:`TokenEvent`; :meth:`result` afterwards).
     Made by ``EdgeClient.stream``, which documents the arguments."""
@@ -71,6 +83,11 @@ class Generation:
         self.round_idx = 0                      # verification rounds so far (the draws)
         self._ahead: Ahead | None = None        # the kept branch's block, sent ahead
         self._first: tuple[DraftBlock, int] | None = None   # round 0's block (_open)
+        #: the draft's prompt prefill (and round 0's block), still running when the
+        #: session opened: rounds are target steps until it is done (``prefill_steps``)
+        self._warming: asyncio.Future | None = None
+        self._stepping = False                  # set once target steps have started
+        self._prefilled = asyncio.Event()       # the draft's prompt prefill is done
         self._t_verdict: float | None = None    # perf_counter of the last verdict
         self.verified: list[bool] = []
         self.semantic: list[bool] = []          # per committed token: accepted semantically
@@ -118,7 +135,15 @@ class Generation:
         drafting, which would otherwise sit between the prefill and the first
         verification and add a whole block's draft time to the TTFT. The block uses
         the draws of round 0 (the same ones the first round would use), so outputs
-        are unchanged."""
+        are unchanged.
+
+        When the session is open but the draft is still prefilling (a busy or slow
+        device, a long prompt: the draft's prefill can outlast the target's) and the
+        client's ``prefill_steps`` is on, the request does not wait: its rounds are
+        target steps (an empty block; the cloud answers its own next token) until the
+        prefill is done, and speculation starts on the round after. A target step
+        commits exactly the token the target alone would, so the output is
+        unchanged; the TTFT becomes the target's own."""
         first = (asyncio.ensure_future(self._draft_first(self.prompt_ids))
                  if self.pro.drafter is not None else None)
         try:
@@ -128,18 +153,33 @@ class Generation:
             if first is not None:           # the create's error is the one to raise
                 await asyncio.gather(first, return_exceptions=True)
             raise
-        if first is not None:
-            self._first = await first
         self.committer = Committer(self.c.tokenizer, self.max_new_tokens,
                                    info.get("eos_token_ids", []), self.stop)
+        if first is None:
+            return
+        steps = self.c.prefill_steps == "always" or (
+            self.c.prefill_steps == "greedy" and self.cfg.greedy)
+        if steps and not self._prefilled.is_set():
+            try:            # a prefill about to end is worth waiting for (a step is not)
+                await asyncio.wait_for(self._prefilled.wait(), PREFILL_GRACE_S)
+            except asyncio.TimeoutError:
+                pass
+        if first.done() or self._prefilled.is_set() or not steps:
+            self._first = await first
+        else:
+            self._stepping, self._warming = True, first
 
     async def _draft_first(self, prompt: list[int]) -> tuple[DraftBlock, int] | None:
-        """Prefill the draft on ``prompt`` and draft round 0's block. Returns (block,
-        planned depth) or None (nothing to draft)."""
+        """Prefill the draft on ``prompt`` and draft round 0's block (unless target
+        steps started meanwhile: the prompt is then no longer the prefix). Returns
+        (block, planned depth) or None (nothing to draft)."""
         drafter = self.pro.drafter
         if len(prompt) > 1:
             await asyncio.get_running_loop().run_in_executor(
                 self.c.scheduler.executor, drafter.sync, prompt)
+        self._prefilled.set()
+        if self._stepping:
+            return None
         planned = self._plan(False, remaining=self.max_new_tokens)
         try:
             block = await self._draft(prompt, planned, self.round_idx)
@@ -217,6 +257,9 @@ class Generation:
 
     async def _close(self) -> None:
         self.m.finish()
+        if self._warming is not None:           # the request ended on target steps:
+            await asyncio.gather(self._warming, return_exceptions=True)  # drafter free
+            self._warming = None
         self.c._return_drafter(self._leased)
         self.c._keep_controller(self._ctrl_key, self.ctrl)
         if self.sess.path is not None and not self.loss.offline:
@@ -229,6 +272,11 @@ class Generation:
 
     async def _round(self, tokens: list[int]) -> list[int]:
         """One verification round (one open block); returns the newly confirmed tokens."""
+        if self._warming is not None:
+            if not self._warming.done():        # the draft is still prefilling
+                return await self._verify(tokens, None, 0)
+            warming, self._warming = self._warming, None
+            warming.result()                    # a failed prefill raises here
         kept = self.pro.take_kept()
         ahead, self._ahead = self._ahead, None
         try:
@@ -401,7 +449,7 @@ class Generation:
         """IPDG/NPDG: draft the next block from the assumed prefix (``tokens`` + block,
         fully accepted, + a guessed bonus) while ``verdict`` is pending; FSD: from the
         provisional prefix of the ``early`` verdict."""
-        if self.c.proactive == "off" or self.target_only:
+        if self.c.proactive == "off" or self.target_only or self._warming is not None:
             return None
         g = len(block) if block else 0
         plan = self._plan(True, after=g + 1)

@@ -4,6 +4,8 @@
 * ``specrelay`` — fixed depth ``--depth``, stop-and-wait;
 * ``sr-ahead`` — the same with IPDG (RAPID's interruptible proactive drafting) and blocks
   sent ahead (``send_ahead``): the cloud verifies back to back on proactive hits;
+* ``sr-wait`` — ``sr-ahead`` that waits for the draft's prompt prefill instead of taking
+  target steps meanwhile (``prefill_steps="off"``; the ablation of those steps);
 * ``sr-tree`` — ``sr-ahead`` with greedy sibling trees (``--siblings`` width, 2 by
   default: the draft's next-best tokens beside the positions it is least sure of).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 from bench.modes.edge_rounds import EdgeClientMode
 from bench.modes.registry import register_mode
 
-__all__ = ["SpecRelayMode", "SpecRelayAheadMode", "SpecRelayTreeMode"]
+__all__ = ["SpecRelayMode", "SpecRelayAheadMode", "SpecRelayWaitMode", "SpecRelayTreeMode"]
 
 
 @register_mode
@@ -34,6 +36,18 @@ class SpecRelayAheadMode(EdgeClientMode):
     description = "specrelay + IPDG + blocks sent ahead (pipelined verification)"
     client_mode = "asym"
     client_kw = {"proactive": "ipdg", "send_ahead": True}
+
+
+@register_mode
+class SpecRelayWaitMode(EdgeClientMode):
+    """``sr-ahead`` whose requests wait for the draft's prompt prefill when the cloud
+    session opens first, instead of taking target steps until it is done: the
+    ablation of ``EdgeClient(prefill_steps=...)`` (what every mode did before)."""
+
+    name = "sr-wait"
+    description = "sr-ahead without target steps during the draft's prefill"
+    client_mode = "asym"
+    client_kw = {"proactive": "ipdg", "send_ahead": True, "prefill_steps": "off"}
 
 
 @register_mode
