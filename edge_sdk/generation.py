@@ -257,9 +257,11 @@ class Generation:
 
     async def _close(self) -> None:
         self.m.finish()
-        if self._warming is not None:           # the request ended on target steps:
-            await asyncio.gather(self._warming, return_exceptions=True)  # drafter free
-            self._warming = None
+        if self._warming is not None:    # the request ended on target steps: the draft
+            w, self._warming = self._warming, None  # is still prefilling; hand it back
+            await asyncio.wait({w})           # once free (a cancel here cancels only
+            if not w.cancelled():             # this wait, never the prefill)
+                w.exception()                 # retrieved: the request itself succeeded
         self.c._return_drafter(self._leased)
         self.c._keep_controller(self._ctrl_key, self.ctrl)
         if self.sess.path is not None and not self.loss.offline:
