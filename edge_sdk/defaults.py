@@ -8,8 +8,8 @@ Qwen2.5-Coder-1.5B, 1 edge core + 1 cloud core): draft depth 8,
 interruptible proactive drafting (RAPID's IPDG: the next block is drafted while the
 current one is verified) and pipelined verification (a proactive block is sent before
 the previous verdict, PipeSpec-style). At depth 8 IPDG's TPOT is 1.25x better than
-stop-and-wait's on ``medium`` (1.03x with the edge's drafts 3x slower). Depth 8 against depth 6 (geomean of chat and code, vs the
-target alone in the same run): 1.77x / 1.73x on an AMX Xeon, and on an AVX-512-BF16
+stop-and-wait's on ``medium`` (1.03-1.06x with the edge's drafts 3x slower). Depth 8
+against depth 6 (geomean of chat and code, vs the target alone in the same run): 1.77x / 1.73x on an AMX Xeon, and on an AVX-512-BF16
 EPYC 1.91x / 1.79x and 2.00x / 1.92x on ``medium``, 1.74x / 1.67x on ``weak``, 1.69x /
 1.58x on ``cellular-edge``; depth 12 is slower (1.60x on the Xeon). The output is the
 target's whatever the policy: these are speed settings only; ``proactive="off"`` spends

@@ -86,7 +86,6 @@ class Generation:
         #: the draft's prompt prefill (and round 0's block), still running when the
         #: session opened: rounds are target steps until it is done (``prefill_steps``)
         self._warming: asyncio.Future | None = None
-        self._stepping = False                  # set once target steps have started
         self._prefilled = asyncio.Event()       # the draft's prompt prefill is done
         self._t_verdict: float | None = None    # perf_counter of the last verdict
         self.verified: list[bool] = []
@@ -167,7 +166,7 @@ class Generation:
         if first.done() or self._prefilled.is_set() or not steps:
             self._first = await first
         else:
-            self._stepping, self._warming = True, first
+            self._warming = first
 
     async def _draft_first(self, prompt: list[int]) -> tuple[DraftBlock, int] | None:
         """Prefill the draft on ``prompt`` and draft round 0's block (unless target
@@ -178,7 +177,7 @@ class Generation:
             await asyncio.get_running_loop().run_in_executor(
                 self.c.scheduler.executor, drafter.sync, prompt)
         self._prefilled.set()
-        if self._stepping:
+        if self._warming is not None:        # target steps started: the prompt is stale
             return None
         planned = self._plan(False, remaining=self.max_new_tokens)
         try:

@@ -55,16 +55,17 @@ class SessionParams:
     def body(self, prompt_ids: list[int], max_new: int, packed: bool = True) -> dict:
         """The create request's map (``POST /v1/sessions``). ``packed``: the prompt as
         ``prompt_packed`` (:func:`wire.pack_prompt`; ~0.6x the bytes on Qwen2.5's
-        vocabulary) where that is shorter than the ``prompt_ids`` array. Fields equal to their wire defaults
-        (:data:`wire.SESSION_DEFAULTS`, the default sampling values) are left out: on a
-        32-token request the create is most of the uplink."""
+        vocabulary) where that encodes shorter than the ``prompt_ids`` array. Fields
+        equal to their wire defaults (:data:`wire.SESSION_DEFAULTS`, the default
+        sampling values) are left out: on a 32-token request the create is most of the
+        uplink."""
         dflt, greedy = wire.SESSION_DEFAULTS, SamplingConfig().to_dict()
         sampling = {k: v for k, v in self.cfg.to_dict().items() if v != greedy[k]}
         body = {"prompt_ids": [int(t) for t in prompt_ids]}
-        if packed:                       # the shorter form (a short prompt of small ids
-            z = wire.pack_prompt(prompt_ids)          # is shorter as the array)
-            if len(z) + 3 < len(wire.pack(body["prompt_ids"])):
-                body = {"prompt_packed": z}
+        if packed:              # the shorter encoding (a short prompt of small ids is
+            z = {"prompt_packed": wire.pack_prompt(body["prompt_ids"])}   # the array)
+            if len(wire.pack(z)) < len(wire.pack(body)):
+                body = z
         body.update({"sampling": sampling, "seed": self.seed, "max_new_tokens": max_new,
                      "tokenizer_hash": self.tokenizer_hash, "mode": self.mode,
                      "support_k": max(1, min(self.support_k, self.vocab)),    # K <= V

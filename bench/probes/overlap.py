@@ -97,7 +97,11 @@ def _median(rows, lo: float, hi: float) -> tuple[float, int]:
 
 
 def main(phase_s: float = 20.0, block: int = 9) -> dict:
-    tmp = Path(tempfile.mkdtemp(prefix="overlap-"))
+    with tempfile.TemporaryDirectory(prefix="overlap-") as d:
+        return _phases(Path(d), phase_s, block)
+
+
+def _phases(tmp: Path, phase_s: float, block: int) -> dict:
     stops = {r: tmp / f"{r}.stop" for r in ("target", "draft")}
     tgt = _spawn("target", 0, block, tmp)
     _wait_ready(tgt)
