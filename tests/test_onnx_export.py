@@ -86,7 +86,8 @@ def test_export_writes_graph_and_manifest_with_parity(exported):
     assert dims["past_key_values.1.value"] == ["batch_size", KV_HEADS, "past_sequence_length",
                                                HEAD_DIM]
     assert dims["present.0.key"][2] == "past_sequence_length + sequence_length"
-    assert dims["logits"] == ["batch_size", "sequence_length", VOCAB]
+    assert dims["logits"] == ["batch_size", "logits_length", VOCAB]
+    assert dims["logits_to_keep"] == ["logits_length"]
     # variants: their own manifests, agreement measured against the fp32 graph
     for v, dtype in (("fp16", "float16"), ("int4", "float32")):
         vm = _manifest(exported / v)
@@ -115,7 +116,8 @@ def test_empty_past_first_call_and_padded_batch_match_torch(model, exported):
     wrapper = _KVWrapper(model, LAYERS)
     with torch.no_grad():
         ref = wrapper(ids, mask, pos, past)
-    got = sess.run(None, dict(zip(ins, [t.numpy() for t in (ids, mask, pos, *past)])))
+    keep = np.arange(5)
+    got = sess.run(None, dict(zip(ins, [t.numpy() for t in (ids, mask, pos, *past)] + [keep])))
     valid = mask.bool()
     assert np.abs(got[0][valid.numpy()] - ref[0][valid].numpy()).max() < 1e-4
     # second call: one new token per row on top of the returned present tensors
@@ -125,7 +127,7 @@ def test_empty_past_first_call_and_padded_batch_match_torch(model, exported):
     with torch.no_grad():
         ref2 = wrapper(ids2, mask2, pos2, tuple(ref[1:]))
     got2 = sess.run(None, dict(zip(ins, [ids2.numpy(), mask2.numpy(), pos2.numpy(),
-                                         *got[1:]])))
+                                         *got[1:], np.arange(1)])))
     assert np.abs(got2[0] - ref2[0].numpy()).max() < 1e-4
     assert got2[1].shape == (2, KV_HEADS, 6, HEAD_DIM)
 
@@ -261,6 +263,39 @@ def test_runner_empty_past_and_crop_invariant(exported):
     assert r.cache_len() == 0
 
 
+def test_runner_logits_to_keep_rows_and_older_exports(model, exported, tmp_path):
+    """``last=n`` returns the last n rows of the all-rows call and leaves the same KV
+    cache; a prefill through ``sync`` asks the graph for its last row only; an export
+    without the ``logits_to_keep`` input (as before it existed) gives the same rows."""
+    from exporters.onnx.graph import export_graph
+
+    ids = [3, 4, 5, 6, 7, 8]
+    r = OnnxRunner(exported, providers="cpu", threads=1)
+    assert r.keeps_logits
+    full = r.forward(ids).numpy()
+    past_full = [p.copy() for p in r.past]
+    for n in (1, 2, 6, 9):
+        r.reset()
+        rows = r.forward(ids, last=n).numpy()
+        assert rows.shape == (min(n, 6), VOCAB)
+        assert np.abs(rows - full[-min(n, 6):]).max() < 1e-5
+        assert all(np.array_equal(a, b) for a, b in zip(r.past, past_full))
+    r.reset()
+    asked = []
+    run = r.session.run
+    r.session = type("S", (), {"run": lambda _, names, feeds: (
+        asked.append(feeds["logits_to_keep"].tolist()), run(names, feeds))[1]})()
+    got = r.sync(ids + [9]).numpy()
+    assert asked == [[6]] and got.shape == (VOCAB,)
+    export_graph(model, tmp_path / "model.onnx", logits_to_keep=False)
+    (tmp_path / "specrelay_onnx.json").write_text(
+        (exported / "specrelay_onnx.json").read_text())
+    old = OnnxRunner(tmp_path, providers="cpu", threads=1)
+    assert not old.keeps_logits
+    assert np.abs(old.forward(ids, last=2).numpy() - full[-2:]).max() < 1e-5
+    assert np.abs(old.sync(ids + [9]).numpy() - got).max() < 1e-5
+
+
 def test_provider_selection():
     assert select_providers()[-1] == "CPUExecutionProvider"
     assert select_providers("cpu") == ["CPUExecutionProvider"]
@@ -275,6 +310,10 @@ def test_tensorrt_profiles_cover_every_past_input():
     shapes = profile_shapes(man, max_batch=2, max_seq=64, max_past=512, opt_past=128)
     ins, _ = io_names(3)
     assert set(shapes) == set(ins)
+    assert shapes["logits_to_keep"] == {"min": [1], "opt": [1], "max": [64]}
+    # an export from before the input: no profile for it
+    old = profile_shapes(dict(man, inputs=[n for n in ins if n != "logits_to_keep"]))
+    assert "logits_to_keep" not in old and len(old) == len(ins) - 1
     for i in range(3):
         s = shapes[f"past_key_values.{i}.value"]
         assert s["min"] == [1, 2, 0, 16] and s["opt"] == [1, 2, 128, 16]

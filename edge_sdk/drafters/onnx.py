@@ -29,6 +29,9 @@ from edge_sdk.kvmodel import common_prefix
 
 MANIFEST_NAME = "specrelay_onnx.json"
 MODEL_NAME = "model.onnx"
+#: Optional graph input, int64 [n]: the positions among a call's new tokens whose logits
+#: are computed (transformers' tensor ``logits_to_keep``); exports since 2026-12-05.
+KEEP_INPUT = "logits_to_keep"
 
 #: Execution providers in order of preference when none is given explicitly.
 PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider",
@@ -97,7 +100,9 @@ def profile_shapes(manifest: dict, *, max_batch: int = 1, max_seq: int = 512,
             (one-token decode over a ~256-token cache by default).
     Returns:
         ``{input name: {"min": [...], "opt": [...], "max": [...]}}``; past tensors are
-        [batch, H_kv, past, D] with past from 0 (empty cache) to ``max_past``.
+        [batch, H_kv, past, D] with past from 0 (empty cache) to ``max_past``;
+        ``logits_to_keep`` [n] from 1 (decode, prefill) to ``max_seq``, where the graph
+        has it (``input_names``, else the manifest's ``inputs``).
     """
     n, h, d = manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"]
     opt_past = min(opt_past, max_past)
@@ -114,6 +119,9 @@ def profile_shapes(manifest: dict, *, max_batch: int = 1, max_seq: int = 512,
             shapes[f"past_key_values.{i}.{kind}"] = {
                 "min": [1, h, 0, d], "opt": [1, h, opt_past, d],
                 "max": [max_batch, h, max_past, d]}
+    names = input_names if input_names is not None else manifest.get("inputs")
+    if names is None or KEEP_INPUT in names:        # exports before it lack the input
+        shapes[KEEP_INPUT] = {"min": [1], "opt": [1], "max": [max_seq]}
     if input_names is not None:
         shapes = {k: v for k, v in shapes.items() if k in input_names}
     return shapes
@@ -233,6 +241,7 @@ class OnnxRunner:
         self.vocab_size = int(self.manifest.get("vocab_size") or logits_v)
         self.num_kv_heads = int(self.manifest.get("num_kv_heads") or k0.shape[1])
         self.head_dim = int(self.manifest.get("head_dim") or k0.shape[3])
+        self.keeps_logits = KEEP_INPUT in self.input_names
         self.output_names = ["logits"] + [present_name(i, k) for i in range(self.num_layers)
                                           for k in ("key", "value")]
         self.ids: list[int] = []
@@ -260,33 +269,42 @@ class OnnxRunner:
             del self.ids[n:]
         self.check()
 
-    def feeds(self, new_ids: Sequence[int]) -> dict[str, np.ndarray]:
-        """Graph inputs appending ``new_ids`` [k] to the cached sequence."""
+    def feeds(self, new_ids: Sequence[int], last: int | None = None) -> dict[str, np.ndarray]:
+        """Graph inputs appending ``new_ids`` [k] to the cached sequence; with a
+        ``logits_to_keep`` input, logits for the last ``last`` of them (None: all k)."""
         p, k = self.cache_len(), len(new_ids)
         feeds = {"input_ids": np.asarray([list(new_ids)], dtype=np.int64)}
         if "attention_mask" in self.input_names:
             feeds["attention_mask"] = np.ones((1, p + k), dtype=np.int64)
         if "position_ids" in self.input_names:
             feeds["position_ids"] = np.arange(p, p + k, dtype=np.int64)[None]
+        if self.keeps_logits:
+            n = k if last is None else min(max(int(last), 1), k)
+            feeds[KEEP_INPUT] = np.arange(k - n, k, dtype=np.int64)
         for i in range(self.num_layers):
             feeds[past_name(i, "key")] = np.ascontiguousarray(self.past[2 * i])
             feeds[past_name(i, "value")] = np.ascontiguousarray(self.past[2 * i + 1])
         return feeds
 
-    def forward_np(self, new_ids: Sequence[int]) -> np.ndarray:
-        """Append ``new_ids`` [k]; return their logits as the graph's dtype, [k, V]."""
+    def forward_np(self, new_ids: Sequence[int], last: int | None = None) -> np.ndarray:
+        """Append ``new_ids`` [k]; return the logits of the last ``last`` of them (None:
+        all), as the graph's dtype, [min(last, k), V]. A graph with a
+        ``logits_to_keep`` input computes only those rows (a prefill then skips the LM
+        head for every prompt position but the last); an older export computes all k
+        and the rest are dropped here."""
         if not new_ids:
             raise ValueError("forward() needs at least one token")
-        outs = self.session.run(self.output_names, self.feeds(new_ids))
+        outs = self.session.run(self.output_names, self.feeds(new_ids, last))
         self.past = outs[1:]
         self.ids.extend(int(t) for t in new_ids)
         self.check()
-        return outs[0][0]
+        logits = outs[0][0]
+        return logits if last is None else logits[-max(int(last), 1):]
 
-    def forward(self, new_ids: Sequence[int]) -> torch.Tensor:
-        """Append ``new_ids`` [k]; return their logits, float32 [k, V] (an fp16 graph's
-        logits are widened exactly)."""
-        return torch.from_numpy(np.asarray(self.forward_np(new_ids), dtype=np.float32))
+    def forward(self, new_ids: Sequence[int], last: int | None = None) -> torch.Tensor:
+        """Append ``new_ids`` [k]; return the logits of the last ``last`` of them (None:
+        all), float32 [min(last, k), V] (an fp16 graph's logits are widened exactly)."""
+        return torch.from_numpy(np.asarray(self.forward_np(new_ids, last), dtype=np.float32))
 
     def sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context[:-1]`` (rolling back whatever diverges, reusing
@@ -295,7 +313,7 @@ class OnnxRunner:
             raise ValueError("context must hold at least one token")
         common = common_prefix(self.ids, context)
         self.crop(min(common, len(context) - 1))
-        return self.forward(context[len(self.ids):])[-1]
+        return self.forward(context[len(self.ids):], last=1)[-1]
 
     def check(self) -> None:
         """Assert the cache-length invariant on every past tensor (CASES.md 7)."""

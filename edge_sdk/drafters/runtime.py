@@ -61,7 +61,8 @@ ONNX_VARIANTS = {
     "int4": {"bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4,
              "lm_head_bits": 4},
 }
-_CACHE_FORMAT = 1
+#: 2: graphs take ``logits_to_keep`` (a prefill runs the LM head on its last row only).
+_CACHE_FORMAT = 2
 
 #: ``export(spec, variant, echo=...) -> folder``: builds a missing cached export
 #: (:func:`exporters.onnx.first_use.ensure_onnx_export`).

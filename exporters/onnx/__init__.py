@@ -18,12 +18,16 @@ name                           dtype    shape (symbolic axes)
 ``position_ids``               int64    [batch_size, sequence_length]
 ``past_key_values.N.key``      kv       [batch_size, H_kv, past_sequence_length, D]
 ``past_key_values.N.value``    kv       same
-``logits``                     kv       [batch_size, sequence_length, V]
+``logits_to_keep``             int64    [logits_length]: positions among the new tokens
+``logits``                     kv       [batch_size, logits_length, V]
 ``present.N.key`` / ``.value`` kv       [batch_size, H_kv, past_sequence_length + sequence_length, D]
 =============================  =======  ==========================================
 
 ``kv`` is float32 (fp32, int4 and int8 exports) or float16 (fp16 export). A first call with
-``past_sequence_length = 0`` (empty past tensors) is valid.
+``past_sequence_length = 0`` (empty past tensors) is valid. ``logits_to_keep`` picks the
+rows of the LM head that run (``arange(sequence_length)``: all; a prefill needs only the
+last): transformers' tensor ``logits_to_keep``. Exports before it have no such input;
+:class:`~edge_sdk.drafters.onnx.OnnxRunner` drives both.
 
 Modules: :mod:`~exporters.onnx.graph` (trace the graph), :mod:`~exporters.onnx.quantize`
 (weight-only int4 / int8), :mod:`~exporters.onnx.parity` (checks against torch and

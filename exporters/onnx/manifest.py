@@ -37,7 +37,8 @@ def manifest_for(model, *, dtype: str, kv_dtype: str, opset: int, source: str | 
         "inputs": ins, "outputs": outs,
         "dynamic_axes": {"batch_size": "dim 0 of every input/output",
                          "sequence_length": "new tokens per call",
-                         "past_sequence_length": "cached tokens (0 allowed)"},
+                         "past_sequence_length": "cached tokens (0 allowed)",
+                         "logits_length": "positions in logits_to_keep (rows of logits)"},
         "exporter": {"method": "torch.onnx.export(dynamo=True)", **_versions()},
     }
 
