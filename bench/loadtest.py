@@ -103,7 +103,8 @@ async def _worker(w, url, signer, drafter, tok, prompts, jobs, checker, lat, sto
     from edge_sdk.transport import Transport
 
     transport = TimedTransport(Transport(url, signer=signer, retries=8), lat)
-    async with EdgeClient(url, drafter.fork(), tok, depth=depth, chat=False,
+    async with EdgeClient(url, drafter.fork(), tok, depth=depth, controller="fixed",
+                          chat=False,
                           transport=transport, proactive="ipdg", send_ahead=True) as c:
         i = w
         while time.monotonic() < stop_at:

@@ -19,7 +19,7 @@ from edge_sdk import correction as C
 from edge_sdk.channel import ChannelEstimator
 from edge_sdk.control import DepthController, FixedDepth, make_controller
 from edge_sdk.control.siblings import SiblingPolicy
-from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
+from edge_sdk.defaults import DEFAULT_CONTROLLER, DEFAULT_DEPTH, DEFAULT_PROACTIVE
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import PREFILL_STEPS, Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
@@ -59,7 +59,11 @@ class EdgeClient:
         controller: draft-depth policy: a registry name (``fixed|heuristic|caac|
             ucb-specstop``, one controller per request; ``controller_kw`` go to its
             constructor), a :class:`DepthController` (shared by every request of this
-            client), or a zero-argument factory returning one. None: fixed ``depth``.
+            client), or a zero-argument factory returning one. None (default): a
+            greedy request paces its depth to the verification round trip, at most
+            ``depth`` (``paced``, :data:`edge_sdk.defaults.DEFAULT_CONTROLLER`), a
+            sampled one drafts the fixed ``depth`` (its seed then replays its output
+            whatever the timing).
         carry_controller: a registry-named controller of a new request starts from a
             copy of the one the client's last finished request left (its draft-latency,
             response-time and acceptance estimates describe the device, the link and
@@ -220,16 +224,19 @@ class EdgeClient:
     async def __aexit__(self, *exc):
         await self.close()
 
-    def _request_controller(self, spec, depth: int | None
+    def _request_controller(self, spec, depth: int | None, greedy: bool = False
                             ) -> tuple[DepthController, str | None]:
         """A request's depth controller: a fixed ``depth`` of the request, else its
-        ``controller`` (as in the constructor), else the client's; and the registry
-        name it is carried under (:meth:`_keep_controller`), None when not carried."""
+        ``controller`` (as in the constructor), else the client's, else the default
+        (``greedy``: :data:`DEFAULT_CONTROLLER`, else fixed); and the registry name it
+        is carried under (:meth:`_keep_controller`), None when not carried."""
         if depth is not None:
             return FixedDepth(depth), None
         spec = spec if spec is not None else self.controller
         if spec is None:
-            return FixedDepth(self.depth), None
+            if not greedy:
+                return FixedDepth(self.depth), None
+            spec = DEFAULT_CONTROLLER
         if isinstance(spec, DepthController):
             return spec, None
         if isinstance(spec, str):
@@ -237,8 +244,8 @@ class EdgeClient:
             if warm is not None:
                 return copy.deepcopy(warm), spec
             kw = dict(self.controller_kw)
-            if spec in ("fixed", "static"):
-                kw.setdefault("depth", self.depth)
+            if spec in ("fixed", "static", "paced"):
+                kw.setdefault("depth", self.depth)      # paced: the deepest block
             return make_controller(spec, **kw), spec
         ctrl = spec()
         if not isinstance(ctrl, DepthController):

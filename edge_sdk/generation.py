@@ -73,7 +73,8 @@ class Generation:
         self.committer: Committer | None = None
         self._leased = None if self.target_only else client._lease_drafter()
         self.pro = Lookahead(self._leased, client.proactive, client.proactive_roots)
-        self.ctrl, self._ctrl_key = client._request_controller(controller, depth)
+        self.ctrl, self._ctrl_key = client._request_controller(controller, depth,
+                                                               self.cfg.greedy)
         self.channel = ChannelEstimator(client.link)
         self.sess = RemoteSession(client.transport, self._params(), self.m,
                                   self.channel.state)

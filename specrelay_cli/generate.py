@@ -25,11 +25,11 @@ __all__ = ["generate", "demo", "run_generation", "divergence_report", "print_res
 
 
 def _client_options(kw: dict) -> dict:
-    """EdgeClient keyword arguments of the parsed options (``controller fixed``: none;
-    send-ahead only with a proactive mode)."""
+    """EdgeClient keyword arguments of the parsed options (``controller auto``: the
+    SDK's default policy; send-ahead only with a proactive mode)."""
     proactive = kw.get("proactive", "off")
     return dict(depth=kw["depth"], mode=kw["mode"], chat=kw["chat"],
-                controller=(None if kw.get("controller", "fixed") == "fixed"
+                controller=(None if kw.get("controller", "auto") == "auto"
                             else kw["controller"]),
                 proactive=proactive, proactive_roots=kw.get("proactive_roots", 1),
                 send_ahead=kw.get("send_ahead", False) and proactive != "off",
@@ -176,8 +176,9 @@ def _untrained_note(draft: str) -> str | None:
 
 def _policy(kw: dict) -> str:
     """The draft policy in words (``depth 8 + ipdg + send-ahead``)."""
-    policy = (f"depth {kw['depth']}" if kw["controller"] == "fixed"
-              else f"{kw['controller']} depth")
+    policy = {"fixed": f"depth {kw['depth']}",
+              "auto": f"depth paced to the round trip, at most {kw['depth']}"}.get(
+        kw["controller"], f"{kw['controller']} depth")
     if kw["proactive"] != "off":
         policy += f" + {kw['proactive']}" + (" + send-ahead" if kw["send_ahead"] else "")
     return policy

@@ -42,10 +42,12 @@ def generate(url, drafter, tok, *, events: list | None = None, **kw):
     may be mixed in ``kw``; ``events`` collects the streamed TokenEvents."""
     ckw = {k: kw.pop(k) for k in ("depth", "mode", "correction", "support_k",
                                   "n_proposals", "transport", "proactive",
-                                  "send_ahead") if k in kw}
-    # these cases check the stop-and-wait round (one block per verdict); the proactive
-    # and pipelined paths, the SDK's default, have their own tests (test_proactive.py)
+                                  "send_ahead", "controller") if k in kw}
+    # these cases check the stop-and-wait round (one block per verdict) at a fixed
+    # depth; the proactive and pipelined paths and the paced depth, the SDK's default,
+    # have their own tests (test_proactive.py, test_paced.py)
     ckw.setdefault("proactive", "off")
+    ckw.setdefault("controller", "fixed")
     kw.setdefault("prompt_ids", PROMPT)
 
     async def go():

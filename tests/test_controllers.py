@@ -37,7 +37,7 @@ def drive(ctrl, rounds, alpha=0.8, tau=0.01, resp=0.05, slow_at=None, factor=2.0
 # ----------------------------------------------------------------------------- registry
 
 def test_registry_builds_every_controller():
-    assert set(CONTROLLERS) == {"fixed", "heuristic", "caac", "ucb-specstop"}
+    assert set(CONTROLLERS) == {"fixed", "heuristic", "caac", "ucb-specstop", "paced"}
     for name in CONTROLLERS:
         c = make_controller(name)
         assert 1 <= c.next_depth() <= 8

@@ -378,13 +378,19 @@ def test_send_ahead_stale_block_changes_nothing(target, tok):
 
 def test_sdk_defaults_are_the_benchmarked_policy(svc, tok, close_draft, reference):
     """An app that names no policy drafts as the benchmark's fastest single-request mode
-    (sr-ahead@6: depth 6, IPDG, blocks sent ahead) and still commits the target's greedy
-    output; proactive="off" turns send-ahead off with it."""
-    from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
+    (depth 8 paced to the round trip for greedy requests, fixed for sampled ones, IPDG,
+    blocks sent ahead) and still commits the target's greedy output; proactive="off"
+    turns send-ahead off with it."""
+    from edge_sdk.control import PacedDepth
+    from edge_sdk.defaults import DEFAULT_CONTROLLER, DEFAULT_DEPTH, DEFAULT_PROACTIVE
 
     c = EdgeClient("inproc://", None, tok)
     assert (c.depth, c.proactive, c.send_ahead) == (DEFAULT_DEPTH, DEFAULT_PROACTIVE, True)
-    assert (DEFAULT_DEPTH, DEFAULT_PROACTIVE) == (8, "ipdg")
+    assert (DEFAULT_DEPTH, DEFAULT_PROACTIVE, DEFAULT_CONTROLLER) == (8, "ipdg", "paced")
+    greedy, key = c._request_controller(None, None, greedy=True)
+    assert isinstance(greedy, PacedDepth) and greedy.depth == 8 and key == "paced"
+    sampled, key = c._request_controller(None, None, greedy=False)
+    assert isinstance(sampled, FixedDepth) and sampled.depth == 8 and key is None
     assert EdgeClient("inproc://", None, tok, proactive="off").send_ahead is False
 
     async def main():

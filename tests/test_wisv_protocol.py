@@ -93,7 +93,8 @@ class Recording(InProcessTransport):
 def generate(transport, draft, tok, n=40, prompt=PROMPT, gen_kw=None, **kw):
     async def main():
         async with EdgeClient("inproc://", TorchDrafter(draft), tok, chat=False,
-                              transport=transport, **{"depth": 6, **kw}) as c:
+                              transport=transport,
+                              **{"depth": 6, "controller": "fixed", **kw}) as c:
             return await c.generate(prompt_ids=prompt, max_new_tokens=n, **(gen_kw or {}))
     return asyncio.run(main())
 

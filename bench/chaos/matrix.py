@@ -124,9 +124,10 @@ def _client(url: str, srv: Server, drafter, tok, s: ChaosSettings, mode: str,
 
     t = Transport(url, signer=srv.signer, retries=s.retries, timeout_s=s.timeout_s,
                   backoff_s=0.05)
+    kw = {"controller": "fixed", **CLIENT_MODES[mode], **s.client_kw}
     return EdgeClient(url, drafter, tok, depth=s.depth, chat=False, transport=t,
                       offline_timeout_s=offline_timeout_s or s.offline_timeout_s,
-                      probe_interval_s=0.2, **CLIENT_MODES[mode], **s.client_kw)
+                      probe_interval_s=0.2, **kw)
 
 
 async def _one(client, job: _Job, sampling, n: int) -> tuple[list, BaseException | None]:

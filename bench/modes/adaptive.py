@@ -43,6 +43,10 @@ ADAPTIVE_MODES = [
                    client_kw={"controller": "caac", "proactive": "ipdg"}),
     _adaptive_mode("rapid-npdg", "specrelay, CAAC + NPDG (non-interruptible proactive "
                    "baseline)", client_kw={"controller": "caac", "proactive": "npdg"}),
+    _adaptive_mode("sr-paced", "specrelay, verdict-paced depth (round trip / draft time, "
+                   "at most --depth) + IPDG + blocks sent ahead",
+                   client_kw={"controller": "paced", "proactive": "ipdg",
+                              "send_ahead": True}),
     _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
                    "proactive drafting)", client_kw={"proactive": "ipdg"}),
     _adaptive_mode("fsd", "specrelay, fixed depth --depth + FSD (pre-drafting from the "

@@ -37,12 +37,15 @@ class EdgeClientMode(BenchMode):
 
         c = self.ctx
         # a mode that names no proactive drafting is stop-and-wait (not the SDK default)
-        kw = {"proactive": "off", **self.client_kw, **c.options.get("client", {})}
+        kw = {"proactive": "off", "controller": "fixed", **self.client_kw,
+              **c.options.get("client", {})}
         if self.link_from_profile:        # the channel state a semantic session reports
             kw.setdefault("link", c.profile)
         if isinstance(kw.get("controller"), str) and kw["controller"] != "fixed":
-            kw["controller"] = make_controller(kw["controller"],
-                                               **kw.pop("controller_kw", {}) or {})
+            ckw = dict(kw.pop("controller_kw", {}) or {})
+            if kw["controller"] == "paced":             # --depth / MODE@N: the deepest
+                ckw.setdefault("depth", self.fixed_depth or c.depth)
+            kw["controller"] = make_controller(kw["controller"], **ckw)
         drafter = c.drafter
         if self.ngram and drafter is not None:
             from edge_sdk.drafters.ngram import NgramDrafter

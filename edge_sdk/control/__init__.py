@@ -5,7 +5,8 @@
 * ``fixed`` — :class:`FixedDepth` (``depth=4``),
 * ``heuristic`` — :class:`HeuristicDepth` (transformers: +2 on full acceptance, -1 else),
 * ``caac`` — :class:`CAAC` (RAPID's congestion-aware adaptive controller),
-* ``ucb-specstop`` — :class:`UCBSpecStop` (contextual bandit over depths).
+* ``ucb-specstop`` — :class:`UCBSpecStop` (contextual bandit over depths),
+* ``paced`` — :class:`PacedDepth` (as many drafts as a verification round trip hides).
 
 Every controller implements :class:`DepthController`: ``next_depth(PlanContext) -> int``
 before a round, ``update(RoundRecord)`` after it.
@@ -17,6 +18,7 @@ from edge_sdk.control.base import L_MAX, DepthController, PlanContext, RoundReco
 from edge_sdk.control.caac import CAAC, CAACParams
 from edge_sdk.control.fixed import FixedDepth
 from edge_sdk.control.heuristic import HeuristicDepth
+from edge_sdk.control.paced import PacedDepth
 from edge_sdk.control.ucb_specstop import UCBSpecStop
 
 CONTROLLERS = {
@@ -24,12 +26,13 @@ CONTROLLERS = {
     "heuristic": HeuristicDepth,
     "caac": CAAC,
     "ucb-specstop": UCBSpecStop,
+    "paced": PacedDepth,
 }
 _ALIASES = {"ucb": "ucb-specstop", "ucb_specstop": "ucb-specstop", "static": "fixed"}
 
 
 def make_controller(name: str, **kw) -> DepthController:
-    """Build a controller by registry name (``fixed|heuristic|caac|ucb-specstop``).
+    """Build a controller by registry name (``fixed|heuristic|caac|ucb-specstop|paced``).
 
     ``kw`` go to the constructor. Raises ValueError for an unknown name."""
     key = _ALIASES.get(name, name)
@@ -39,5 +42,5 @@ def make_controller(name: str, **kw) -> DepthController:
 
 
 __all__ = ["CAAC", "CAACParams", "CONTROLLERS", "DepthController", "FixedDepth",
-           "HeuristicDepth", "L_MAX", "PlanContext", "RoundRecord", "UCBSpecStop",
+           "HeuristicDepth", "L_MAX", "PacedDepth", "PlanContext", "RoundRecord", "UCBSpecStop",
            "make_controller"]

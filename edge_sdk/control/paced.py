@@ -1,0 +1,73 @@
+"""Verdict-paced draft depth: draft as many tokens as one verification round trip hides.
+
+With proactive drafting (RAPID's IPDG, the SDK's default) the next block is drafted
+while the current one is verified. For a block of depth ``L``, a per-token draft time
+``tau`` and a send -> verdict time ``T``, a cycle that ends in a proactive hit lasts
+``max(L tau, T)`` and commits ``L + 1`` tokens, one that ends in a miss lasts
+``L tau + T`` (the cloud idles while the fresh block is drafted) and commits the
+accepted prefix plus the correction. Up to ``L = T / tau`` a deeper block is free on a
+hit; past it every cycle grows by ``tau`` per token for one more token at the tail, the
+position least likely to be accepted, and every miss costs more. So the rate-optimal
+depth sits near ``T / tau`` (RAPID caps its proactive drafts there; here the cap is the
+whole policy): on the default pair on a quiet device (``tau`` ~28 ms, ``T`` ~240 ms)
+that is past the default depth 8, under a 3x draft slowdown (``tau`` ~89 ms, ``T``
+~211 ms) about 2, where the model of the cycle above gives ~1.5x the rate of depth 8
+at a per-token acceptance of 0.9.
+
+Without proactive drafting a block's drafting never overlaps its verification, and this
+rule is not the right one (use ``fixed`` or ``caac``).
+"""
+
+from __future__ import annotations
+
+from edge_sdk.control.base import DepthController, PlanContext, RoundRecord
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+
+
+class PacedDepth(DepthController):
+    """``L = clamp(round(T / tau), l_min, depth)``; ``depth`` until both are measured.
+
+    Args:
+        depth: the deepest block (tokens) and the depth before any measurement (the
+            SDK's default depth, 8).
+        l_min: the shallowest block (tokens).
+        w: weight of a new sample in the EWMAs of ``T`` (send -> verdict seconds of a
+            block not sent ahead: one sent ahead waits behind its predecessor) and
+            ``tau`` (draft seconds per token of a block).
+    Raises:
+        ValueError: ``depth`` or ``l_min`` below 1, ``l_min`` above ``depth``, ``w``
+            outside (0, 1].
+    """
+
+    name = "paced"
+
+    def __init__(self, depth: int = 8, l_min: int = 1, w: float = 0.3,
+                 l_max: int = MAX_DRAFT_TOKENS):
+        super().__init__(l_max)
+        if int(depth) < 1 or int(l_min) < 1 or int(l_min) > int(depth):
+            raise ValueError("need 1 <= l_min <= depth")
+        if not 0.0 < float(w) <= 1.0:
+            raise ValueError("w must be in (0, 1]")
+        self.depth, self.l_min, self.w = self.clamp(int(depth)), int(l_min), float(w)
+        self.t_resp: float | None = None       # EWMA send -> verdict seconds
+        self.tau: float | None = None          # EWMA draft seconds per token
+        self.L = self.depth
+
+    def next_depth(self, stats: PlanContext | None = None) -> int:
+        if self.t_resp is None or not self.tau:
+            self.L = self.depth
+        else:
+            self.L = max(self.l_min, min(self.depth, round(self.t_resp / self.tau)))
+        return self.L
+
+    def update(self, rnd: RoundRecord) -> None:
+        if rnd.draft_s_per_token is not None and rnd.draft_s_per_token > 0:
+            self.tau = self._ewma(self.tau, float(rnd.draft_s_per_token))
+        if rnd.depth > 0 and not rnd.proactive and rnd.resp_s is not None:
+            self.t_resp = self._ewma(self.t_resp, float(rnd.resp_s))
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.w * (new - old)
+
+    def state(self) -> dict:
+        return {"L": self.L, "t_resp": self.t_resp, "tau": self.tau}

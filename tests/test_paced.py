@@ -1,0 +1,106 @@
+"""Verdict-paced draft depth (``controller="paced"``): as many draft tokens as one
+verification round trip hides, ``round(T / tau)`` clamped to ``1..depth``. The rule on
+synthetic round records, then through the real server behind a 50 ms RTT link with a
+fast and a slowed draft (the tiny pair)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from edge_sdk import EdgeClient
+from edge_sdk.control import PacedDepth, RoundRecord, make_controller
+from edge_sdk.drafters.torch import TorchDrafter
+
+from conftest import tiny_model
+
+PROMPTS = [[5, 9, 11], [7, 3], [12, 40, 2, 8]]
+
+
+def _rec(depth=4, tau=0.03, resp=0.24, proactive=False, accepted=4):
+    return RoundRecord(depth=depth, accepted=min(accepted, depth), committed=1,
+                       draft_s_per_token=tau if depth else None, resp_s=resp,
+                       proactive=proactive)
+
+
+def test_depth_is_the_round_trip_over_the_draft_time():
+    c = make_controller("paced")
+    assert isinstance(c, PacedDepth) and c.next_depth() == 8      # nothing measured yet
+    c.update(_rec(tau=0.028, resp=0.242))                          # quiet: T / tau = 8.6
+    assert c.next_depth() == 8
+    slow = PacedDepth()
+    slow.update(_rec(tau=0.089, resp=0.211))                       # 3x slower: 2.4
+    assert slow.next_depth() == 2
+    slow.update(_rec(tau=2.0, resp=0.2))                           # far slower: l_min
+    assert slow.next_depth() == 1
+    assert PacedDepth(depth=6).next_depth() == 6
+    deep = PacedDepth(depth=12)
+    deep.update(_rec(tau=0.02, resp=0.2))
+    assert deep.next_depth() == 10
+
+
+def test_blocks_sent_ahead_and_target_steps_do_not_set_the_round_trip():
+    c = PacedDepth()
+    c.update(_rec(tau=0.05, resp=0.2))
+    c.update(_rec(tau=0.05, resp=5.0, proactive=True))     # waited behind its predecessor
+    c.update(_rec(depth=0, resp=0.01))                     # a target step: no block
+    assert c.t_resp == pytest.approx(0.2) and c.next_depth() == 4
+    c.update(_rec(tau=0.1, resp=0.2))                      # EWMA, weight 0.3
+    assert c.tau == pytest.approx(0.065) and c.next_depth() == 3
+
+
+def test_bad_arguments():
+    for kw in ({"depth": 0}, {"l_min": 0}, {"depth": 2, "l_min": 3}, {"w": 0.0}, {"w": 1.5}):
+        with pytest.raises(ValueError):
+            PacedDepth(**kw)
+
+
+class SlowDraft(TorchDrafter):
+    """Every draft forward takes ``delay`` seconds more: a device busy with other work."""
+
+    def __init__(self, model, delay: float):
+        super().__init__(model)
+        self.delay = delay
+
+    def step(self, token):
+        time.sleep(self.delay)
+        return super().step(token)
+
+
+@pytest.fixture(scope="module")
+def close_draft(target):
+    """A draft that agrees with the target's greedy choice ~80 % of the time."""
+    return tiny_model(seed=3, like=target, noise=0.002)
+
+
+def _depths(url, tok, drafter):
+    from bench.linkem.emulator import LinkEmulatorThread
+    from bench.linkem.profiles import Profile
+
+    async def go(base):
+        async with EdgeClient(base, drafter, tok, chat=False, controller="paced",
+                              proactive="ipdg", send_ahead=True) as c:
+            refs = [await c.generate(prompt_ids=p, target_only=True, max_new_tokens=40)
+                    for p in PROMPTS]
+            outs = [await c.generate(prompt_ids=p, max_new_tokens=40) for p in PROMPTS]
+            return refs, outs
+
+    u = urlsplit(url)
+    with LinkEmulatorThread(u.hostname, u.port, Profile("rtt50", None, None, 0.05)) as em:
+        refs, outs = asyncio.run(go(f"http://{em.host}:{em.port}"))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    # the first request measures; the controller carries its estimates to the next ones
+    return [d for o in outs[1:] for d in o.metrics["depth_hist"] if d > 0]
+
+
+def test_a_slow_draft_gets_short_blocks_and_a_fast_one_the_full_depth(server, tok,
+                                                                       close_draft):
+    """Round trip ~50 ms: a draft token costing ~30 ms more gives blocks of 1-2 tokens,
+    an unslowed one (a few ms per token) blocks of 8; the output is the target's."""
+    slow = _depths(server.url, tok, SlowDraft(close_draft, 0.03))
+    fast = _depths(server.url, tok, TorchDrafter(close_draft))
+    assert slow and sorted(slow)[len(slow) // 2] <= 3
+    assert fast and sorted(fast)[len(fast) // 2] == 8
