@@ -6,7 +6,6 @@ fast and a slowed draft (the tiny pair)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -16,6 +15,7 @@ from edge_sdk.control import PacedDepth, RoundRecord, make_controller
 from edge_sdk.drafters.torch import TorchDrafter
 
 from conftest import tiny_model
+from test_proactive import SlowDrafter
 
 PROMPTS = [[5, 9, 11], [7, 3], [12, 40, 2, 8]]
 
@@ -58,18 +58,6 @@ def test_bad_arguments():
             PacedDepth(**kw)
 
 
-class SlowDraft(TorchDrafter):
-    """Every draft forward takes ``delay`` seconds more: a device busy with other work."""
-
-    def __init__(self, model, delay: float):
-        super().__init__(model)
-        self.delay = delay
-
-    def step(self, token):
-        time.sleep(self.delay)
-        return super().step(token)
-
-
 @pytest.fixture(scope="module")
 def close_draft(target):
     """A draft that agrees with the target's greedy choice ~80 % of the time."""
@@ -100,7 +88,7 @@ def test_a_slow_draft_gets_short_blocks_and_a_fast_one_the_full_depth(server, to
                                                                        close_draft):
     """Round trip ~50 ms: a draft token costing ~30 ms more gives blocks of 1-2 tokens,
     an unslowed one (a few ms per token) blocks of 8; the output is the target's."""
-    slow = _depths(server.url, tok, SlowDraft(close_draft, 0.03))
+    slow = _depths(server.url, tok, SlowDrafter(close_draft, 0.03))
     fast = _depths(server.url, tok, TorchDrafter(close_draft))
     assert slow and sorted(slow)[len(slow) // 2] <= 3
     assert fast and sorted(fast)[len(fast) // 2] == 8
