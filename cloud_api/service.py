@@ -149,7 +149,11 @@ class CloudService:
         if self.metrics is not None:
             self.metrics.sessions.set(len(self.sessions))
             self.metrics.evictions.set(self.sessions.evictions)
-        return {**s.state(), "prompt_ids": ids, "vocab_size": V,
+        # the prompt's ids go back only to a client that sent text (it needs the
+        # tokenisation); one that sent ids has them: echoing them was most of a short
+        # request's downlink (~3-5 bytes per prompt token)
+        echo = {} if m.get("prompt_ids") else {"prompt_ids": ids}
+        return {**s.state(), **echo, "vocab_size": V,
                 "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
                 "max_tree_rows": (self.verifier.max_tree_rows
                                   if getattr(self.verifier, "supports_trees", False) else 0),

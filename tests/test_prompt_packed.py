@@ -169,3 +169,26 @@ def test_sdk_falls_back_for_a_server_that_predates_the_field(server, tok, draft,
     ref, out = asyncio.run(_generate(server.url, TorchDrafter(draft), tok, ids))
     assert out.token_ids == ref.token_ids and len(out.token_ids) == 24
     assert seen == ["prompt_packed", "prompt_ids"] * 2      # refused, then asked again
+
+
+def test_create_echoes_the_prompt_ids_only_to_a_text_prompt(target, tok):
+    """A client that sent token ids (array or packed) has them: the create's answer
+    leaves them out (they were most of a short request's downlink); one that sent text
+    gets the tokenisation it needs."""
+    from cloud_api.service import CloudService
+
+    ids = _ids_of(tok, "w5 w9 w11 w200")
+
+    async def go():
+        svc = CloudService(target, tok)
+        await svc.start()
+        try:
+            return [await svc.create(body, None) for body in (
+                {"prompt_ids": ids}, {"prompt_packed": wire.pack_prompt(ids)},
+                {"prompt": "w5 w9 w11 w200", "chat": False})]
+        finally:
+            await svc.stop()
+    arr, packed, text = asyncio.run(go())
+    assert "prompt_ids" not in arr and "prompt_ids" not in packed
+    assert arr["prompt_len"] == packed["prompt_len"] == len(ids)
+    assert text["prompt_ids"] == ids and text["prompt_len"] == len(ids)
