@@ -9,9 +9,9 @@ accepted prefix plus the correction. Up to ``L = T / tau`` a deeper block is fre
 hit; past it every cycle grows by ``tau`` per token for one more token at the tail, the
 position least likely to be accepted, and every miss costs more. So the rate-optimal
 depth sits near ``T / tau`` (CAAC caps its proactive drafts there; here the cap is the
-whole policy): on the default pair on a quiet device (``tau`` ~28 ms, ``T`` ~240 ms)
-that is past the default depth 8, under a 3x draft slowdown (``tau`` ~89 ms, ``T``
-~211 ms) about 2, where the model of the cycle above gives ~1.5x the rate of depth 8
+whole policy): on the default pair on a quiet device (``tau`` ~28.5 ms, ``T`` ~243 ms,
+medians, ``python -m bench.probes.round_pacing``) that is past the default depth 8, under
+a 3x draft slowdown (``tau`` ~88.5 ms, ``T`` ~213 ms) about 2, where the model of the cycle above gives ~1.5x the rate of depth 8
 at a per-token acceptance of 0.9 (measured in the bench: 1.13-1.16x, README). The rule
 ignores acceptance: a block's tail is priced as if it were as likely as its head.
 

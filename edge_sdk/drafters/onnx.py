@@ -279,8 +279,7 @@ class OnnxRunner:
         if "position_ids" in self.input_names:
             feeds["position_ids"] = np.arange(p, p + k, dtype=np.int64)[None]
         if self.keeps_logits:
-            n = k if last is None else min(max(int(last), 1), k)
-            feeds[KEEP_INPUT] = np.arange(k - n, k, dtype=np.int64)
+            feeds[KEEP_INPUT] = np.arange(k - self._rows(k, last), k, dtype=np.int64)
         for i in range(self.num_layers):
             feeds[past_name(i, "key")] = np.ascontiguousarray(self.past[2 * i])
             feeds[past_name(i, "value")] = np.ascontiguousarray(self.past[2 * i + 1])
@@ -298,8 +297,12 @@ class OnnxRunner:
         self.past = outs[1:]
         self.ids.extend(int(t) for t in new_ids)
         self.check()
-        logits = outs[0][0]
-        return logits if last is None else logits[-max(int(last), 1):]
+        return outs[0][0][-self._rows(len(new_ids), last):]    # an older graph: all k
+
+    @staticmethod
+    def _rows(k: int, last: int | None) -> int:
+        """Logit rows a call on ``k`` new tokens returns: the last ``last`` (1..k)."""
+        return k if last is None else min(max(int(last), 1), k)
 
     def forward(self, new_ids: Sequence[int], last: int | None = None) -> torch.Tensor:
         """Append ``new_ids`` [k]; return the logits of the last ``last`` of them (None:

@@ -50,8 +50,9 @@ class _KVWrapper(torch.nn.Module):
     ``logits_to_keep`` (int64 [n], optional): the positions, among this call's
     ``sequence_length`` new tokens, whose logits are computed (transformers' tensor form
     of ``logits_to_keep``); None computes all. A prompt's prefill needs only the last
-    row: the LM head's rows for the others are ~30 % of a 250-token prefill of
-    Qwen2.5-0.5B (151,936 x 896 head, int4) and 152 MB of float32 logits nobody reads.
+    row: the LM head's rows for the others are ~23 % of a prompt's prefill of the int4
+    Qwen2.5-0.5B (151,936 x 896 head; ``python -m bench.probes.draft_prefill``) and, at
+    250 tokens, 152 MB of float32 logits nobody reads.
     """
 
     def __init__(self, model, num_layers: int):
