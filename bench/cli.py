@@ -112,6 +112,12 @@ def _cpus(value: str | None) -> list[int] | None:
               help="torch threads of the target (default: number of cloud CPUs).")
 @click.option("--edge-threads", type=click.IntRange(1), default=None,
               help="torch threads of the draft (default: number of edge CPUs).")
+@click.option("--peer-cpus", default=None, help="CPU ids for the peer engines (llamacpp-*, "
+              "hf-*), e.g. '0,1' for both cores against our 1 cloud + 1 edge core "
+              "(default: the cloud's CPUs).")
+@click.option("--peer-threads", type=click.IntRange(1), default=None,
+              help="Threads of the peer engines (default: number of --peer-cpus, else "
+              "the cloud's).")
 @click.option("--insecure-no-auth", is_flag=True,
               help="Serve without request signing (default: an ephemeral signed key).")
 @click.option("--no-warmup", is_flag=True, help="Skip the unmeasured warm-up requests.")
@@ -341,6 +347,7 @@ def _config(o: dict):
                           target=o["target"], draft=o["draft"],
                           cloud_cpus=_cpus(o["cloud_cpus"]), edge_cpus=_cpus(o["edge_cpus"]),
                           cloud_threads=o["cloud_threads"], edge_threads=o["edge_threads"],
+                          peer_cpus=_cpus(o["peer_cpus"]), peer_threads=o["peer_threads"],
                           auth=not o["insecure_no_auth"], edge_load=o["edge_load"],
                           warmup=not o["no_warmup"], dtype=o["dtype"],
                           server_kw={"max_wait_s": o["max_wait_ms"] / 1000.0}, **run, **kw)

@@ -34,6 +34,9 @@ class BenchConfig:
         dtype: torch dtype name for both models.
         cloud_cpus, edge_cpus: CPU ids for each side (None: split what is available).
         cloud_threads, edge_threads: torch threads per side (None: number of CPUs).
+        peer_cpus, peer_threads: CPU ids and threads of the peer engines (None: the
+            cloud's CPUs; threads: the number of ``peer_cpus`` if given, else the
+            cloud's). Raises ValueError (at the run's start) for a CPU not available.
         auth: sign requests with an ephemeral key (False: unauthenticated server).
         edge_slowdown: factor (>= 1) on each draft forward after ``slowdown_at_s``.
         slowdown_at_s: seconds after the start of each run when contention starts.
@@ -72,6 +75,8 @@ class BenchConfig:
     edge_cpus: Sequence[int] | None = None
     cloud_threads: int | None = None
     edge_threads: int | None = None
+    peer_cpus: Sequence[int] | None = None
+    peer_threads: int | None = None
     auth: bool = True
     edge_slowdown: float = 1.0
     slowdown_at_s: float = 0.0

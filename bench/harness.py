@@ -42,8 +42,9 @@ from bench.modes import RunSetup, get_mode
 from bench.report.identity import greedy_divergences
 from bench.report.labels import workload_label
 from bench.report.outputs import write_outputs
-from bench.report.ratios import (adaptive_ratios, best_fixed, compute_ratios, pipeline_ratios,
-                                 ratio_specs, strongest_baselines)
+from bench.report.ratios import (adaptive_ratios, best_fixed, best_peer, compute_ratios,
+                                 peer_ratios, pipeline_ratios, ratio_specs,
+                                 strongest_baselines)
 from bench.report.schema import validate_results
 from specrelay_data.workloads import load_workload
 
@@ -65,6 +66,8 @@ class _Run:
     edge_cpus: list
     cloud_threads: int
     edge_threads: int
+    peer_cpus: list
+    peer_threads: int
 
 
 def _resolve(cfg: BenchConfig) -> _Run:
@@ -86,17 +89,27 @@ def _resolve(cfg: BenchConfig) -> _Run:
     if draft_src is None:
         draft_src = default_draft(cfg.target if isinstance(cfg.target, str) else None)
     cloud_cpus, edge_cpus = split_cpus(cfg.cloud_cpus, cfg.edge_cpus)
+    cloud_threads = cfg.cloud_threads or len(cloud_cpus)
+    if cfg.peer_cpus:
+        peer_cpus = sorted({int(c) for c in cfg.peer_cpus})
+        bad = sorted(set(peer_cpus) - os.sched_getaffinity(0))
+        if bad:
+            raise ValueError(f"peer_cpus: CPU {bad[0]} is not available (available: "
+                             f"{sorted(os.sched_getaffinity(0))})")
+        peer_threads = cfg.peer_threads or len(peer_cpus)
+    else:
+        peer_cpus, peer_threads = list(cloud_cpus), cfg.peer_threads or cloud_threads
     return _Run(cfg, mode_classes, profiles, samplings, prompt_sets, draft_src, cloud_cpus,
-                edge_cpus, cfg.cloud_threads or len(cloud_cpus),
-                cfg.edge_threads or len(edge_cpus))
+                edge_cpus, cloud_threads, cfg.edge_threads or len(edge_cpus),
+                peer_cpus, peer_threads)
 
 
 def _setup_modes(run: _Run) -> list:
     """``setup_run`` of every mode of the run, once each; the modes set up (in order).
     A failure tears down those already set up and propagates."""
     cfg = run.cfg
-    setup = RunSetup(cfg.target, run.draft_src, cfg.dtype, tuple(run.cloud_cpus),
-                     run.cloud_threads)
+    setup = RunSetup(cfg.target, run.draft_src, cfg.dtype, tuple(run.peer_cpus),
+                     run.peer_threads)
     set_up: list = []
     try:
         for mcls in dict.fromkeys(run.mode_classes):
@@ -188,10 +201,12 @@ def _config(run: _Run, runs: list, edge: dict, divergences: dict, t_begin: float
         "server_max_wait_s": cfg.server_kw.get("max_wait_s", 0.0),
         "cloud_cpus": run.cloud_cpus, "edge_cpus": run.edge_cpus,
         "cloud_threads": run.cloud_threads, "edge_threads": run.edge_threads,
+        "peer_cpus": run.peer_cpus, "peer_threads": run.peer_threads,
         "edge_slowdown": edge["factor"],
         "slowdown_at_s": cfg.slowdown_at_s, "edge_load": cfg.edge_load,
         "contended_profiles": [p.name for p in run.profiles if edge["contended"](p.name)],
         "best_fixed": best_fixed(runs),
+        "best_peer": best_peer(runs),
         "concurrency": (concurrency_values(cfg)
                         if any(is_concurrent(m) for m in run.mode_classes) else None),
         "concurrent_profiles": cfg.concurrent_profiles,
@@ -216,7 +231,7 @@ def _results(run: _Run, runs: list, records: list, edge: dict, t_begin: float) -
     cfg = run.cfg
     greedy = {workload_label(w, "greedy", cfg.sampling) for w in run.prompt_sets}
     ratios = (compute_ratios(runs, ratio_specs([m.name for m in run.mode_classes]))
-              + adaptive_ratios(runs) + pipeline_ratios(runs))
+              + adaptive_ratios(runs) + pipeline_ratios(runs) + peer_ratios(runs))
     config = _config(run, runs, edge, greedy_divergences(records, greedy), t_begin)
     peer_names = {m.name for m in run.mode_classes if getattr(m, "peer", False)}
     if peer_names:

@@ -20,7 +20,7 @@ from bench.linkem import Profile
 from bench.config import BenchConfig
 from bench.harness import run_bench
 from bench.modes import BenchRequest, EdgeContext, RunSetup, get_mode, mode_names
-from bench.report.ratios import ratio_specs
+from bench.report.ratios import best_peer, peer_ratios, ratio_specs
 from specrelay_data.workloads import Prompt
 from edge_sdk.protocol.sampling import SamplingConfig
 from tests.conftest import tiny_model, tiny_tokenizer
@@ -104,11 +104,18 @@ def test_ratio_specs_speculative_gain_orientation():
     assert rows[("specrelay", "cloud-ar")] == pytest.approx(1.5)
     assert rows[("llamacpp-spec", "llamacpp-ar")] == pytest.approx(1.5)   # spec / ar
     assert rows[("hf-assisted", "hf-ar")] == pytest.approx(0.5)           # a slowdown
+    # ours against the fastest peer of the cell, chosen after the fact
+    assert best_peer(runs) == {"medium|w": {"mode": "llamacpp-spec", "value": 30.0}}
+    best = {(r["mode"], r["baseline"]): r["value"] for r in peer_ratios(runs)}
+    assert best == {("specrelay", "best-peer"): pytest.approx(0.5)}
+    assert peer_ratios([_run("cloud-ar", 10.0), _run("specrelay", 15.0)]) == []
     from bench.report.sections import peers_md
 
-    md = peers_md({"config": {"cloud_cpus": [0], "cloud_threads": 1},
+    md = peers_md({"config": {"cloud_cpus": [0], "cloud_threads": 1, "edge_cpus": [1],
+                              "peer_cpus": [0, 1], "peer_threads": 2},
                            "runs": runs, "ratios": report.compute_ratios(runs, specs)})
     assert "Speculative gain" in md
+    assert "Peers run on CPUs [0, 1] with 2 thread(s) (our cloud: [0], our edge: [1])" in md
     assert "| llama.cpp | llamacpp-spec | llamacpp-ar | medium | 30.00 | 20.00 | 1.500× |" in md
     assert "| specrelay (edge + cloud, emulated link) | specrelay | cloud-ar |" in md
 
@@ -155,14 +162,17 @@ def test_llamacpp_needs_gguf_models():
 
 def test_transformers_peers_in_a_bench_run(tmp_path):
     """hf-ar / hf-assisted beside cloud-ar / specrelay in one run (tiny models): gain
-    rows, pinned to the cloud's CPUs with its thread count, peers out of the greedy
-    identity check and in peer_greedy_agreement, the summary section."""
+    rows, pinned to the CPUs the run gives the peers (here every CPU of the box, against
+    our one cloud + one edge CPU) with their thread count, peers out of the greedy
+    identity check and in peer_greedy_agreement, the best-peer rows, the summary
+    section."""
     prompts = {"mini": [Prompt("mini/0", "mini", "w5 w9 w12 w3 w7", "completion"),
                         Prompt("mini/1", "mini", "w40 w41 w2 w2 w8 w30", "completion")]}
     cfg = BenchConfig(modes=["cloud-ar", "specrelay", "hf-ar", "hf-assisted"],
                       profiles=[Profile("lan", 200e6, 200e6, rtt_s=0.002)],
                       sampling=["greedy"], max_new_tokens=8, depth=3,
-                      target=tiny_target, draft=tiny_draft, prompt_sets=prompts)
+                      target=tiny_target, draft=tiny_draft, prompt_sets=prompts,
+                      peer_cpus=sorted(os.sched_getaffinity(0)), peer_threads=1)
     results = run_bench(cfg, tmp_path, progress=False, log=lambda s: None)
     runs = {r["mode"]: r["metrics"] for r in results["runs"]}
     assert set(runs) == {"cloud-ar", "specrelay", "hf-ar", "hf-assisted"}
@@ -170,14 +180,16 @@ def test_transformers_peers_in_a_bench_run(tmp_path):
     for mode in ("hf-ar", "hf-assisted"):
         m = runs[mode]
         assert m["throughput_tok_s"] > 0 and m["committed_tokens"] > 0
-        assert m["engine_config"]["cpus"] == c["cloud_cpus"]
-        assert m["engine_config"]["threads"] == c["cloud_threads"]
+        assert m["engine_config"]["cpus"] == c["peer_cpus"] == sorted(os.sched_getaffinity(0))
+        assert m["engine_config"]["threads"] == c["peer_threads"] == 1
         assert m["uplink_bytes_per_token"] == 0
     assert runs["hf-ar"]["target_passes_per_token"] == 1.0
     assert runs["hf-assisted"]["engine_draft_forwards"] > 0
     ratios = {(r["metric"], r["mode"], r["baseline"]) for r in results["ratios"]}
     assert ("throughput_tok_s", "hf-assisted", "hf-ar") in ratios
     assert ("throughput_tok_s", "specrelay", "cloud-ar") in ratios
+    assert ("throughput_tok_s", "specrelay", "best-peer") in ratios
+    assert c["best_peer"]["lan|mini"]["mode"] in ("hf-ar", "hf-assisted")
     assert not [r for r in ratios if r[2] == "cloud-ar" and r[1].startswith("hf-")]
     assert c["greedy_outputs_identical"] is True               # our modes only
     agree = c["peer_greedy_agreement"]
@@ -185,6 +197,14 @@ def test_transformers_peers_in_a_bench_run(tmp_path):
     assert agree["hf-assisted"]["identical_to_engine_ar"] is not None
     summary = (tmp_path / "summary.md").read_text()
     assert "## Peer engines" in summary and "| transformers | hf-assisted | hf-ar |" in summary
+
+
+def test_peer_cpus_must_exist():
+    cfg = BenchConfig(modes=["cloud-ar", "hf-ar"], profiles=["medium"], sampling=["greedy"],
+                      target=tiny_target, draft=tiny_draft, peer_cpus=[4096],
+                      prompt_sets={"mini": [Prompt("mini/0", "mini", "w5 w9", "completion")]})
+    with pytest.raises(ValueError, match="peer_cpus: CPU 4096 is not available"):
+        run_bench(cfg, None, progress=False, log=lambda s: None)
 
 
 # --------------------------------------------------------------------------- real models

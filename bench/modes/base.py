@@ -77,15 +77,15 @@ class RequestRecord:
 @dataclass(frozen=True)
 class RunSetup:
     """What :meth:`BenchMode.setup_run` gets once per bench run: the run's model sources
-    (``target``; ``draft`` = the edge's draft source), the model ``dtype``, and the
-    cloud's CPU ids and thread count (engines that stand in for the cloud, the peer
-    modes of :mod:`bench.modes.peers`, run on these)."""
+    (``target``; ``draft`` = the edge's draft source), the model ``dtype``, and the CPU
+    ids and thread count of the peer engines (:mod:`bench.modes.peers`): the cloud's
+    unless the run names others (``--peer-cpus``, ``--peer-threads``)."""
 
     target: object
     draft: object
     dtype: str
-    cloud_cpus: tuple[int, ...] = ()
-    cloud_threads: int = 1
+    peer_cpus: tuple[int, ...] = ()
+    peer_threads: int = 1
 
 
 class BenchMode(ABC):

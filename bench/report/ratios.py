@@ -6,6 +6,11 @@
   ``uplink_bytes_per_token``), and each peer engine's *speculative gain* (its speculative
   mode / its own target-only mode); ``wisv`` (semantic acceptance) against
   ``specrelay`` (exact) on ``mean_accepted_length`` and ``tpot_s``;
+* against the fastest peer engine, :func:`peer_ratios`: ``throughput_tok_s`` of each of
+  our speculative modes vs ``best-peer``, per profile label and workload the highest
+  throughput among the peer modes that ran (llama.cpp, transformers; chosen after the
+  fact), so a run with ``--peer-cpus`` on every core answers "faster than the best
+  peer on the whole box?";
 * adaptive drafting (RAPID; UCB-SpecStop), :func:`adaptive_ratios`:
 
   - ``throughput_tok_s`` of ``caac`` (and ``rapid``) vs ``best-fixed``: per profile
@@ -40,11 +45,14 @@ from bench.report.schema import is_num
 __all__ = [
     "ratio_row", "run_index", "compute_ratios", "ratio_specs", "BEST_FIXED", "FIXED_MODES",
     "best_fixed", "adaptive_ratios", "CONCURRENT_BASELINES", "STRONGEST",
-    "strongest_baselines", "pipeline_ratios",
+    "strongest_baselines", "pipeline_ratios", "BEST_PEER", "best_peer", "peer_ratios",
 ]
 
 BEST_FIXED = "best-fixed"
 """Baseline label of the per-cell best fixed depth."""
+
+BEST_PEER = "best-peer"
+"""Baseline label of the per-cell fastest peer engine mode."""
 
 FIXED_MODES = tuple(f"fixed-{n}" for n in range(1, 9)) + ("stop-and-wait",)
 """Modes whose throughput competes for ``best-fixed`` (stop-and-wait at fixed depths)."""
@@ -148,6 +156,52 @@ def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
         specs += [("mean_accepted_length", "wisv", "specrelay", True),
                   ("tpot_s", "wisv", "specrelay", False)]
     return specs
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def _flag(mode: str, attr: str) -> bool:
+    from bench.modes import get_mode
+
+    try:
+        return bool(getattr(get_mode(mode), attr, False))
+    except ValueError:          # a mode this build does not know (an older results.json)
+        return False
+
+
+def best_peer(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[str, dict]:
+    """``{"profile|workload": {"mode", "value"}}``: the peer engine mode
+    (:mod:`bench.modes.peers`) with the highest ``metric`` at every (profile label,
+    workload) where one ran."""
+    out: dict[str, dict] = {}
+    for (mode, prof, w), m in run_index(runs)[0].items():
+        if not _flag(mode, "peer") or not is_num(m.get(metric)):
+            continue
+        key = f"{prof}|{w}"
+        if key not in out or m[metric] > out[key]["value"]:
+            out[key] = {"mode": mode, "value": float(m[metric])}
+    return out
+
+
+def peer_ratios(runs: Sequence[dict]) -> list[dict]:
+    """``throughput_tok_s`` of each of our speculative modes (neither a baseline, a peer
+    nor an adaptive-drafting mode, as in :func:`ratio_specs`) against ``best-peer`` at
+    every profile label where both ran; workloads combine by geometric mean."""
+    idx, profiles, workloads = run_index(runs)
+    best = best_peer(runs)
+    if not best:
+        return []
+
+    def best_of(prof: str, w: str):
+        b = best.get(f"{prof}|{w}")
+        return None if b is None else b["value"]
+
+    ours = [m for m in dict.fromkeys(mode for mode, _, _ in idx)
+            if not any(_flag(m, a) for a in ("peer", "baseline", "adaptive"))]
+    rows = [ratio_row(idx, prof, workloads, "throughput_tok_s", m, BEST_PEER, True, best_of)
+            for m in ours for prof in profiles]
+    return [r for r in rows if r is not None]
 
 
 # --------------------------------------------------------------------------- adaptive

@@ -157,9 +157,11 @@ def peers_md(results: dict) -> str:
     if not runs:
         return ""
     cfg = results.get("config", {})
-    lines = ["", "## Peer engines (same prompts, tokens and cloud cores; no network)", "",
-             f"Peers run on the cloud's CPUs {cfg.get('cloud_cpus')} with "
-             f"{cfg.get('cloud_threads')} thread(s); transformers in dtype "
+    lines = ["", "## Peer engines (same prompts and tokens; no network)", "",
+             f"Peers run on CPUs {cfg.get('peer_cpus', cfg.get('cloud_cpus'))} with "
+             f"{cfg.get('peer_threads', cfg.get('cloud_threads'))} thread(s) (our cloud: "
+             f"{cfg.get('cloud_cpus')}, our edge: {cfg.get('edge_cpus')}); "
+             f"transformers in dtype "
              f"`{cfg.get('dtype')}`, llama.cpp on the GGUF files. engine prompt/eval tok/s: "
              "llama.cpp's own timings.", ""]
     lines += runs_table(runs, _PEER_COLS)

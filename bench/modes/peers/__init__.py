@@ -22,10 +22,12 @@ target's at near-ties: peers are left out of ``greedy_outputs_identical`` and re
 
 Fairness: the same encoded prompts (the runner applies the chat template with
 :func:`edge_sdk.models.encode_prompt`), ``max_new_tokens`` and sampling as our modes;
-every peer computation runs on ONE worker thread pinned to the cloud's CPUs
-(``RunSetup.cloud_cpus``, ``os.sched_setaffinity`` on that thread) with the cloud's
-thread count (llama.cpp ``n_threads`` for target and draft, torch threads for
-transformers); the threads llama.cpp / OpenMP start from it inherit its CPUs. Peers do
+every peer computation runs on ONE worker thread pinned to the peers' CPUs
+(``RunSetup.peer_cpus``, ``os.sched_setaffinity`` on that thread) with their thread
+count (llama.cpp ``n_threads`` for target and draft, torch threads for transformers):
+the cloud's CPUs and thread count unless ``--peer-cpus`` / ``--peer-threads`` name
+others (a peer on both cores of the box against our 1 cloud + 1 edge core); the
+threads llama.cpp / OpenMP start from it inherit its CPUs. Peers do
 not cross the link emulator: they measure a single box, so their numbers repeat in every
 profile up to noise. Models load once per bench run, on first use (the warm-up
 request), and are freed by :meth:`~bench.modes.base.BenchMode.teardown_run`.

@@ -1,10 +1,13 @@
 """What every peer engine mode shares: the run state (one worker thread pinned to the
-cloud's CPUs with the cloud's thread count, the engines loaded once per run), the
-per-request fields every peer reports the same way, and :class:`PeerMode`.
+peers' CPUs with their thread count, the engines loaded once per run), the per-request
+fields every peer reports the same way, and :class:`PeerMode`.
 
-Fairness: every peer computation runs on ONE worker thread pinned to the cloud's CPUs
-(``RunSetup.cloud_cpus``, ``os.sched_setaffinity`` on that thread) with the cloud's
-thread count; the threads llama.cpp / OpenMP start from it inherit its CPUs.
+Fairness: every peer computation runs on ONE worker thread pinned to the peers' CPUs
+(``RunSetup.peer_cpus``, ``os.sched_setaffinity`` on that thread) with their thread
+count (``RunSetup.peer_threads``): by default the cloud's CPUs and thread count, so a
+peer gets what our target gets; ``--peer-cpus 0,1 --peer-threads 2`` gives a peer both
+cores of a 2-core box, against our 1 cloud + 1 edge core. The threads llama.cpp /
+OpenMP start from the worker inherit its CPUs.
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ def _setup(run: RunSetup) -> None:
     with _lock:
         _run = run
         _worker = ThreadPoolExecutor(1, thread_name_prefix="specrelay-peer",
-                                     initializer=_pin, initargs=(tuple(run.cloud_cpus),))
+                                     initializer=_pin, initargs=(tuple(run.peer_cpus),))
 
 
 def _teardown() -> None:
@@ -93,12 +96,12 @@ def state() -> tuple[RunSetup, ThreadPoolExecutor]:
 def _with_threads(n: int, fn, *args):
     import torch
 
-    torch.set_num_threads(n)                    # on the worker: the cloud's count
+    torch.set_num_threads(n)                    # on the worker: the peers' count
     return fn(*args)
 
 
 async def on_worker(fn, *args):
-    """Run ``fn(*args)`` on the pinned worker thread with the cloud's torch thread count;
+    """Run ``fn(*args)`` on the pinned worker thread with the peers' torch thread count;
     the caller's torch thread count is restored afterwards."""
     import torch
 
@@ -106,7 +109,7 @@ async def on_worker(fn, *args):
     threads = torch.get_num_threads()
     try:
         return await asyncio.get_running_loop().run_in_executor(
-            worker, functools.partial(_with_threads, int(run.cloud_threads), fn, *args))
+            worker, functools.partial(_with_threads, int(run.peer_threads), fn, *args))
     finally:
         torch.set_num_threads(threads)
 

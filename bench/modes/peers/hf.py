@@ -115,7 +115,7 @@ class _HFMode(PeerMode):
         import transformers
 
         cfg = {"engine": self.engine, "version": transformers.__version__,
-               "threads": int(run.cloud_threads), "cpus": sorted(os.sched_getaffinity(0)),
+               "threads": int(run.peer_threads), "cpus": sorted(os.sched_getaffinity(0)),
                "model": src_name(run.target), "dtype": run.dtype,
                "load_s": round(load_s, 3)}
         if draft is not None:
@@ -175,6 +175,6 @@ class HFAssistedMode(_HFMode):
 
     name = "hf-assisted"
     description = ("peer: transformers assisted generation (assistant_model=draft, "
-                   "--dtype), cloud CPUs/threads, no network")
+                   "--dtype), peer CPUs/threads (default: the cloud's), no network")
     uses_draft = True
     gain_baseline = "hf-ar"

@@ -68,7 +68,7 @@ def _draft_params(x, p, run: RunSetup, opts: dict, threads: int) -> dict:
 
 class _LlamaCppMode(PeerMode):
     """llama.cpp through ``xllamacpp.Server`` (in process). One server per mode and run:
-    ``CommonParams`` with the target GGUF, ``n_parallel=1``, the cloud's thread count
+    ``CommonParams`` with the target GGUF, ``n_parallel=1``, the peers' thread count
     for prompt and generation (``cpuparams``, ``cpuparams_batch``), no GPU layers; the
     speculative mode adds ``speculative.types = [COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]``
     and the draft GGUF (``speculative.draft.mparams``, same threads). Requests go to
@@ -101,7 +101,7 @@ class _LlamaCppMode(PeerMode):
         x = require_xllamacpp()
         run, _ = state()
         opts = self._opts()
-        threads = int(run.cloud_threads)
+        threads = int(run.peer_threads)
         target = _gguf(run.target, "target")
         p = x.CommonParams()
         p.model.path = str(target)
@@ -183,8 +183,8 @@ class LlamaCppARMode(_LlamaCppMode):
     """llama.cpp, target GGUF alone."""
 
     name = "llamacpp-ar"
-    description = ("peer: llama.cpp (xllamacpp) target GGUF alone, cloud CPUs/threads, "
-                   "no network")
+    description = ("peer: llama.cpp (xllamacpp) target GGUF alone, peer CPUs/threads "
+                   "(default: the cloud's), no network")
     baseline = True
 
 
@@ -194,6 +194,6 @@ class LlamaCppSpecMode(_LlamaCppMode):
 
     name = "llamacpp-spec"
     description = ("peer: llama.cpp draft-model speculative decoding (draft-simple, "
-                   "draft GGUF), cloud CPUs/threads, no network")
+                   "draft GGUF), peer CPUs/threads (default: the cloud's), no network")
     uses_draft = True
     gain_baseline = "llamacpp-ar"
