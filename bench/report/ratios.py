@@ -170,18 +170,33 @@ def _flag(mode: str, attr: str) -> bool:
         return False
 
 
-def best_peer(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[str, dict]:
-    """``{"profile|workload": {"mode", "value"}}``: the peer engine mode
-    (:mod:`bench.modes.peers`) with the highest ``metric`` at every (profile label,
-    workload) where one ran."""
+def _best_by_cell(runs: Sequence[dict], metric: str, keep) -> dict[str, dict]:
+    """``{"profile|workload": {"mode", "value"}}``: among the modes ``keep(mode)``
+    admits, the one with the highest ``metric`` at every (profile label, workload)."""
     out: dict[str, dict] = {}
     for (mode, prof, w), m in run_index(runs)[0].items():
-        if not _flag(mode, "peer") or not is_num(m.get(metric)):
+        if not keep(mode) or not is_num(m.get(metric)):
             continue
         key = f"{prof}|{w}"
         if key not in out or m[metric] > out[key]["value"]:
             out[key] = {"mode": mode, "value": float(m[metric])}
     return out
+
+
+def _value_of(best: dict[str, dict]):
+    """``base_value(profile, workload)`` for :func:`ratio_row` from a
+    :func:`_best_by_cell` table (None where the cell has no entry)."""
+    def value(prof: str, w: str):
+        b = best.get(f"{prof}|{w}")
+        return None if b is None else b["value"]
+    return value
+
+
+def best_peer(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[str, dict]:
+    """``{"profile|workload": {"mode", "value"}}``: the peer engine mode
+    (:mod:`bench.modes.peers`) with the highest ``metric`` at every (profile label,
+    workload) where one ran."""
+    return _best_by_cell(runs, metric, lambda mode: _flag(mode, "peer"))
 
 
 def peer_ratios(runs: Sequence[dict]) -> list[dict]:
@@ -192,15 +207,10 @@ def peer_ratios(runs: Sequence[dict]) -> list[dict]:
     best = best_peer(runs)
     if not best:
         return []
-
-    def best_of(prof: str, w: str):
-        b = best.get(f"{prof}|{w}")
-        return None if b is None else b["value"]
-
     ours = [m for m in dict.fromkeys(mode for mode, _, _ in idx)
             if not any(_flag(m, a) for a in ("peer", "baseline", "adaptive"))]
-    rows = [ratio_row(idx, prof, workloads, "throughput_tok_s", m, BEST_PEER, True, best_of)
-            for m in ours for prof in profiles]
+    rows = [ratio_row(idx, prof, workloads, "throughput_tok_s", m, BEST_PEER, True,
+                      _value_of(best)) for m in ours for prof in profiles]
     return [r for r in rows if r is not None]
 
 
@@ -210,14 +220,7 @@ def peer_ratios(runs: Sequence[dict]) -> list[dict]:
 def best_fixed(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[str, dict]:
     """``{"profile|workload": {"mode", "value"}}``: the fixed-depth stop-and-wait mode
     with the highest ``metric`` at every (profile label, workload) where one ran."""
-    out: dict[str, dict] = {}
-    for (mode, prof, w), m in run_index(runs)[0].items():
-        if mode not in FIXED_MODES or not is_num(m.get(metric)):
-            continue
-        key = f"{prof}|{w}"
-        if key not in out or m[metric] > out[key]["value"]:
-            out[key] = {"mode": mode, "value": float(m[metric])}
-    return out
+    return _best_by_cell(runs, metric, lambda mode: mode in FIXED_MODES)
 
 
 def adaptive_ratios(runs: Sequence[dict]) -> list[dict]:
@@ -225,12 +228,7 @@ def adaptive_ratios(runs: Sequence[dict]) -> list[dict]:
     module docstring for the orientation). Workloads combine by geometric mean; pairs
     with a zero denominator (e.g. IPDG wasting nothing) are skipped."""
     idx, profiles, workloads = run_index(runs)
-    best = best_fixed(runs)
-
-    def best_of(prof: str, w: str):
-        b = best.get(f"{prof}|{w}")
-        return None if b is None else b["value"]
-
+    best_of = _value_of(best_fixed(runs))
     specs = ([("throughput_tok_s", m, BEST_FIXED, True, best_of) for m in ("caac", "rapid")]
              + [(k, "ipdg", "npdg", False, None)
                 for k in ("wasted_draft_tokens", "proactive_wasted_tokens")]
