@@ -54,6 +54,14 @@ def early_head_for(model, tokenizer, setting: str | int | None,
     return head or exit_fit.load_or_fit_exit_head(model, tokenizer, layer, vocab, topk)
 
 
+def check_setting(setting: str | int | None) -> None:
+    """Raises ValueError (one line) unless ``setting`` parses as an ``--early-exit``
+    value (see :func:`early_head_for`; whether the layer exists needs the model)."""
+    text = "off" if setting is None else str(setting).strip().lower()
+    if text not in ("off", "auto", "fit"):
+        _layer(text.split(":", 1)[1] if text.startswith("untrained:") else text)
+
+
 def _layer(text: str) -> int:
     try:
         return int(text)

@@ -76,19 +76,21 @@ PRESETS = {
 def resolve(name_or_path: str) -> ModelSpec:
     """Turn a preset name, a ``dir::file.gguf`` pair, a ``.gguf`` path or an HF
     id/path into a :class:`ModelSpec`. A ``@N`` suffix truncates to N layers
-    (``smollm2-135m@4``)."""
+    (``smollm2-135m@4``). Raises FileNotFoundError (one line) for an unknown name or a
+    GGUF file that is not there."""
     trunc = None
     if "@" in name_or_path:
         name_or_path, n = name_or_path.rsplit("@", 1)
         trunc = int(n)
     if name_or_path in PRESETS:
         spec = PRESETS[name_or_path]()
-    elif "::" in name_or_path:
-        d, f = name_or_path.split("::", 1)
+    elif "::" in name_or_path or name_or_path.endswith(".gguf"):
+        d, f = (name_or_path.split("::", 1) if "::" in name_or_path else
+                (str(Path(name_or_path).parent), Path(name_or_path).name))
+        if not (Path(d) / f).is_file():
+            raise FileNotFoundError(f"model file {name_or_path!r} not found (a .gguf path, "
+                                    f"DIR::FILE.gguf, or a preset: {', '.join(PRESETS)})")
         spec = ModelSpec(d, f)
-    elif name_or_path.endswith(".gguf"):
-        p = Path(name_or_path)
-        spec = ModelSpec(str(p.parent), p.name)
     else:
         _check_known(name_or_path)
         spec = ModelSpec(name_or_path)
@@ -187,8 +189,8 @@ def _load_full(spec: ModelSpec, dtype: str = "float32"):
     cached = _gguf_cache_path(spec, dtype)
     if (cached / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(cached, dtype=DTYPES[dtype], **OFFLINE)
-    log.info("first load of %s: dequantizing the GGUF weights to %s (about a minute for "
-             "a 1.5B model; once: cached in %s)", spec.gguf_file, dtype, cached)
+    log.info("first load of %s: dequantizing the GGUF weights to %s (once, about a minute "
+             "per 1.5B parameters; cached in %s)", spec.gguf_file, dtype, cached)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file, **OFFLINE)
     model = model.to(DTYPES[dtype])

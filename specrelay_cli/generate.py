@@ -99,7 +99,8 @@ def print_result(res, as_json: bool, title: str, note: str | None = None,
     from rich.table import Table
 
     con = Console()
-    con.rule(title)
+    con.rule()
+    con.print(title, style="bold", markup=False, highlight=False)   # rule titles get cut
     con.print(res.text, markup=False, highlight=False)
     con.print(f"[dim]finish_reason={res.finish_reason}  tokens={len(res.token_ids)}[/dim]")
     t = Table(title="metrics")
@@ -174,6 +175,19 @@ def _untrained_note(draft: str) -> str | None:
             "distill` for a trained draft)")
 
 
+def _near_tie_note(extra: dict) -> str | None:
+    """The demo's word on a greedy output that differs from the target alone's only at
+    a near-tie (allowed in bf16, README "Exactness"), or None."""
+    if extra.get("identical_to_target") is not False or extra.get("hard_divergences"):
+        return None
+    return (f"identical_to_target False: the outputs part at token "
+            f"{extra.get('first_divergence')}, where the target's top two logits are a "
+            "near-tie that bf16 rounding can flip between passes of different lengths; "
+            "the greedy policy allows this and counts it (near_tie_divergences), and "
+            "0 hard divergences means every other token is the target's. --dtype float32 "
+            "is identical up to logit ties of 1e-4, at ~3x the verify cost")
+
+
 def _policy(kw: dict) -> str:
     """The draft policy in words (``depth 8 + ipdg + send-ahead``)."""
     policy = {"fixed": f"depth {kw['depth']}",
@@ -201,7 +215,10 @@ def _compare(srv, tok, prompt, kw, res) -> dict:
 @click.command()
 @click.argument("prompt", default="Write a Python function that checks whether a number "
                 "is prime.")
-@click.option("--target", default=DEFAULT_TARGET, show_default=True)
+@click.option("--target", default=DEFAULT_TARGET, show_default=True,
+              help="Target model: a preset (qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, "
+              "smollm2-135m), a .gguf file, DIR::FILE.gguf or a local Hugging Face "
+              "folder.")
 @click.option("--draft", default=None, help=f"Draft model (default: {DEFAULT_DRAFT}; "
               f"for a smollm2 target: {SMOLLM2_DRAFT}).")
 @click.option("--compare/--no-compare", default=True, show_default=True,
@@ -223,6 +240,7 @@ def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
     if semantic:
         check_wisv_options(wisv_head, None, None)
     draft = draft or default_draft(target)
+    _check_models(target, draft)                     # both names, before loading either
     if not kw["as_json"]:
         click.echo(f"loading target {target} and draft {draft} ...", err=True)
     from edge_sdk.packed import packed_default
@@ -243,5 +261,21 @@ def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
         res = asyncio.run(run_generation(srv.url, drafter, tok, prompt, kw, srv.signer))
         extra = (_compare(srv, tok, prompt, kw, res)
                  if compare and not kw["target_only"] else {})
+    note = "\n".join(n for n in (_untrained_note(draft), _near_tie_note(extra)) if n)
     print_result(res, kw["as_json"], f"speculative ({draft} -> {target}, {_policy(kw)}, "
-                 f"signed HTTP on {srv.url})", _untrained_note(draft), extra)
+                 f"signed HTTP on {srv.url})", note or None, extra)
+
+
+def _check_models(target: str, draft: str) -> None:
+    """click.BadParameter (one line) unless both model specs name something that is
+    there (a preset, a file, a folder; the draft's runtime suffix aside)."""
+    from edge_sdk.drafters.runtime import split_runtime
+    from edge_sdk.models import PRESETS, resolve
+
+    for hint, spec in (("--target", target), ("--draft", split_runtime(draft)[0])):
+        if not isinstance(spec, str) or spec.split("@")[0] in PRESETS:
+            continue                 # a preset resolves by assembling its parts: later
+        try:
+            resolve(spec)
+        except (FileNotFoundError, ValueError) as e:
+            raise click.BadParameter(str(e), param_hint=hint) from None

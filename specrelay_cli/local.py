@@ -54,7 +54,10 @@ def run_local(prompt: str, kw: dict) -> None:
         sess = build_local(kw["local_target"], kw["memory_budget"], kw["storage"],
                            method=kw["local_method"], calibration=calibration)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--memory-budget") from None
+        msg = str(e)
+        hint = ("--storage" if msg.startswith("storage profile") else
+                "--local-method" if msg.startswith("local method") else "--memory-budget")
+        raise click.BadParameter(msg, param_hint=hint) from None
     tok = sess.local.tokenizer
     ids = encode_prompt(tok, prompt, kw["chat"])
     t0 = time.perf_counter()

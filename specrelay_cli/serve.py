@@ -236,11 +236,14 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
                    "port (which then answers 404 for /metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Interface of --metrics-port.")
-@click.option("--early-exit", default="auto", show_default=True, metavar="off|auto|fit|LAYER",
+@click.option("--early-exit", default="auto", show_default=True,
+              metavar="off|auto|fit|LAYER|untrained:LAYER",
               help="FSD early verdicts (streamed to clients that ask, before the final "
               "one): auto = the preset's calibrated exit layer if its fitted head is cached "
               "(specrelay fsd calibrate), else off; fit = fit it now if missing (about a "
-              "minute); LAYER = that decoder layer. Single server only (--replicas 1).")
+              "minute); LAYER = that decoder layer (fitted on first use); "
+              "untrained:LAYER = the final norm and LM head applied at that layer, "
+              "nothing fitted (for tests). Single server only (--replicas 1).")
 @click.option("--replicas", type=click.IntRange(1, 256), default=1, show_default=True,
               help="Verifier replicas on Ray Serve (needs the [ray] extra), each loading "
               "the target and holding its own sessions; this server stays the signed "
@@ -326,6 +329,12 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
                           ray_address, early_exit, wisv_head)
     _check_ports(host, port, metrics_host, metrics_port)
     check_wisv_options(wisv_head, wisv_strict, wisv_relaxed)
+    from cloud_api.exit_select import check_setting
+
+    try:
+        check_setting(early_exit)                    # before the target loads
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--early-exit") from None
     import logging
 
     from aiohttp import web

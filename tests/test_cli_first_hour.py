@@ -296,6 +296,50 @@ def test_serve_names_an_unknown_model_in_one_line():
     assert "unknown model 'nosuch'" in one_line_error(r)
 
 
+def test_missing_files_and_bad_values_are_named_before_the_target_loads(tmp_path):
+    """A .gguf path that is not there, a bad --draft, a bad --early-exit or --storage:
+    one line naming the option, in the time it takes to start (no target load)."""
+    gone = str(tmp_path / "nosuch.gguf")
+    for args, needle in [(["demo", "--draft", gone, "Hi"], "--draft"),
+                         (["demo", "--draft", str(tmp_path / "nodir"), "Hi"], "--draft"),
+                         (["demo", "--target", f"{tmp_path}::x.gguf", "Hi"], "--target"),
+                         (["serve", "--early-exit", "bogus", "--insecure-no-auth",
+                           "--port", str(_free_port())], "--early-exit"),
+                         (["generate", "Hi", "--local", "--storage", "floppy"],
+                          "--storage")]:
+        r, dt = run(*args)
+        msg = one_line_error(r)
+        assert r.exit_code == 2 and needle in msg and dt < 5, (args, r.output)
+    r, _ = run("serve", "--model", gone, "--insecure-no-auth", "--port", str(_free_port()))
+    assert f"model file {gone!r} not found" in one_line_error(r)
+    r, _ = run("serve", "--help")
+    assert "untrained:LAYER" in r.output
+
+
+def test_demo_explains_a_near_tie_divergence():
+    from specrelay_cli.generate import _near_tie_note
+
+    note = _near_tie_note({"identical_to_target": False, "first_divergence": 7,
+                           "near_tie_divergences": 1, "hard_divergences": 0})
+    assert "token 7" in note and "near-tie" in note and "float32" in note
+    assert _near_tie_note({"identical_to_target": True}) is None
+    assert _near_tie_note({"identical_to_target": False, "hard_divergences": 1}) is None
+
+
+def test_the_int4_export_leaves_the_root_logger_alone():
+    """onnxruntime's MatMulNBits quantiser calls logging.basicConfig(INFO) on import;
+    importing it through the exporter leaves the root logger as it was (a fresh
+    interpreter: the module may already be imported here)."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from exporters.onnx.quantize import _import_quantizer; "
+            "_import_quantizer(); import onnxruntime.quantization.matmul_nbits_quantizer; "
+            "assert logging.getLogger().handlers == [], logging.getLogger().handlers; "
+            "assert logging.getLogger().level == logging.WARNING")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_edge_serve_checks_its_options_before_loading():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

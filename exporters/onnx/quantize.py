@@ -43,6 +43,21 @@ def _materialize_transposed_weights(m) -> int:
     return done
 
 
+def _import_quantizer() -> None:
+    """Import onnxruntime's MatMulNBits quantiser without its side effect on the
+    process: the module calls ``logging.basicConfig(level=INFO)`` on import, which
+    gave the root logger a stderr handler at INFO, so every access log of a server in
+    the same process (the demo's first run, which exports the draft) went to the
+    terminal. The root logger's handlers and level are put back as they were."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization import matmul_nbits_quantizer  # noqa: F401
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def _lm_head_matmul(m) -> str | None:
     """Name of the MatMul that produces the ``logits`` output from a constant weight
     (None when the head is not such a MatMul, e.g. a masked draft head)."""
@@ -110,9 +125,7 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
         (``quantized_matmuls``; ``int8_matmuls`` of them at 8 bits).
     """
     import onnx
-    # imported before its logger's level is set (the module may configure it on import)
-    from onnxruntime.quantization.matmul_nbits_quantizer import (  # noqa: F401
-        MatMulNBitsQuantizer)
+    _import_quantizer()
 
     lm_head_bits = bits if lm_head_bits is None else lm_head_bits
     if bits not in (4, 8) or lm_head_bits not in (4, 8):
