@@ -30,7 +30,7 @@ def early_head_for(model, tokenizer, setting: str | int | None,
     Raises:
         ValueError: an unparsable setting or a layer outside the model.
     """
-    text = "off" if setting is None else str(setting).strip().lower()
+    text = _text(setting)
     if text == "off":
         return None
     if text.startswith("untrained:"):
@@ -57,9 +57,13 @@ def early_head_for(model, tokenizer, setting: str | int | None,
 def check_setting(setting: str | int | None) -> None:
     """Raises ValueError (one line) unless ``setting`` parses as an ``--early-exit``
     value (see :func:`early_head_for`; whether the layer exists needs the model)."""
-    text = "off" if setting is None else str(setting).strip().lower()
+    text = _text(setting)
     if text not in ("off", "auto", "fit"):
         _layer(text.split(":", 1)[1] if text.startswith("untrained:") else text)
+
+
+def _text(setting: str | int | None) -> str:
+    return "off" if setting is None else str(setting).strip().lower()
 
 
 def _layer(text: str) -> int:

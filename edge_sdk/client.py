@@ -243,10 +243,8 @@ class EdgeClient:
             warm = self._warm.get(spec) if self.carry_controller else None
             if warm is not None:
                 return copy.deepcopy(warm), spec
-            kw = dict(self.controller_kw)
-            if spec in ("fixed", "static", "paced"):
-                kw.setdefault("depth", self.depth)      # paced: the deepest block
-            return make_controller(spec, **kw), spec
+            return make_controller(spec, default_depth=self.depth,
+                                   **self.controller_kw), spec
         ctrl = spec()
         if not isinstance(ctrl, DepthController):
             raise TypeError("controller factory must return a DepthController")

@@ -49,15 +49,18 @@ def run_local(prompt: str, kw: dict) -> None:
     from edge_sdk.models import encode_prompt
     from specrelay_cli.options import sampling_config
 
+    from edge_sdk.local_target.storage import parse_profile
+
     cfg = sampling_config(kw)
+    try:
+        parse_profile(kw["storage"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--storage") from None
     try:
         sess = build_local(kw["local_target"], kw["memory_budget"], kw["storage"],
                            method=kw["local_method"], calibration=calibration)
     except ValueError as e:
-        msg = str(e)
-        hint = ("--storage" if msg.startswith("storage profile") else
-                "--local-method" if msg.startswith("local method") else "--memory-budget")
-        raise click.BadParameter(msg, param_hint=hint) from None
+        raise click.BadParameter(str(e), param_hint="--memory-budget") from None
     tok = sess.local.tokenizer
     ids = encode_prompt(tok, prompt, kw["chat"])
     t0 = time.perf_counter()

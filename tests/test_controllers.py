@@ -42,6 +42,11 @@ def test_registry_builds_every_controller():
         c = make_controller(name)
         assert 1 <= c.next_depth() <= 8
     assert make_controller("fixed", depth=6).next_depth() == 6
+    # the caller's depth fills ``depth`` where a controller takes one, never over kw
+    assert make_controller("fixed", default_depth=6).next_depth() == 6
+    assert make_controller("fixed", default_depth=6, depth=3).next_depth() == 3
+    assert make_controller("paced", default_depth=5).next_depth() == 5
+    assert isinstance(make_controller("heuristic", default_depth=6), HeuristicDepth)
     assert isinstance(make_controller("ucb"), UCBSpecStop)
     with pytest.raises(ValueError, match="unknown controller"):
         make_controller("nope")

@@ -42,10 +42,9 @@ class EdgeClientMode(BenchMode):
         if self.link_from_profile:        # the channel state a semantic session reports
             kw.setdefault("link", c.profile)
         if isinstance(kw.get("controller"), str) and kw["controller"] != "fixed":
-            ckw = dict(kw.pop("controller_kw", {}) or {})
-            if kw["controller"] == "paced":             # --depth / MODE@N: the deepest
-                ckw.setdefault("depth", self.fixed_depth or c.depth)
-            kw["controller"] = make_controller(kw["controller"], **ckw)
+            kw["controller"] = make_controller(kw["controller"],          # --depth / MODE@N
+                                               default_depth=self.fixed_depth or c.depth,
+                                               **kw.pop("controller_kw", {}) or {})
         drafter = c.drafter
         if self.ngram and drafter is not None:
             from edge_sdk.drafters.ngram import NgramDrafter

@@ -31,14 +31,20 @@ CONTROLLERS = {
 _ALIASES = {"ucb": "ucb-specstop", "ucb_specstop": "ucb-specstop", "static": "fixed"}
 
 
-def make_controller(name: str, **kw) -> DepthController:
+def make_controller(name: str, default_depth: int | None = None, **kw) -> DepthController:
     """Build a controller by registry name (``fixed|heuristic|caac|ucb-specstop|paced``).
 
-    ``kw`` go to the constructor. Raises ValueError for an unknown name."""
+    ``kw`` go to the constructor. ``default_depth`` (the caller's draft depth, tokens)
+    becomes ``depth`` of a controller that takes one (``uses_depth``: fixed's depth,
+    paced's deepest block) unless ``kw`` names it. Raises ValueError for an unknown
+    name."""
     key = _ALIASES.get(name, name)
     if key not in CONTROLLERS:
         raise ValueError(f"unknown controller {name!r}; choose from {sorted(CONTROLLERS)}")
-    return CONTROLLERS[key](**kw)
+    cls = CONTROLLERS[key]
+    if default_depth is not None and cls.uses_depth:
+        kw.setdefault("depth", default_depth)
+    return cls(**kw)
 
 
 __all__ = ["CAAC", "CAACParams", "CONTROLLERS", "DepthController", "FixedDepth",

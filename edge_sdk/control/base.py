@@ -79,6 +79,9 @@ class DepthController(ABC):
     """Chooses the next draft depth L in ``[1, l_max]`` before each round."""
 
     name = "base"
+    #: the constructor takes ``depth`` (tokens), which ``make_controller`` fills from
+    #: the caller's draft depth
+    uses_depth = False
 
     def __init__(self, l_max: int = L_MAX):
         if not 1 <= int(l_max) <= 64:

@@ -11,6 +11,7 @@ class FixedDepth(DepthController):
     largest block, not the adaptive controllers' ``L_max``)."""
 
     name = "fixed"
+    uses_depth = True
 
     def __init__(self, depth: int = 4, l_max: int = MAX_DRAFT_TOKENS):
         super().__init__(l_max)

@@ -41,6 +41,7 @@ class PacedDepth(DepthController):
     """
 
     name = "paced"
+    uses_depth = True
 
     def __init__(self, depth: int = 8, l_min: int = 1, w: float = 0.3,
                  l_max: int = MAX_DRAFT_TOKENS):
