@@ -105,9 +105,13 @@ def _summary(man: dict, out: Path) -> dict:
               show_default=True, help="dtype the model is loaded in; the graph is always "
               "traced in float32 (bfloat16: the bf16 draft's exact weights, widened, and "
               "no float32 GGUF dequantisation/cache)")
+@click.option("--attention", type=click.Choice(["gqa", "model"]), default="gqa",
+              show_default=True, help="how the attention is traced: gqa = each KV head "
+              "read once by its query group (no repeated KV cache); model = the model's "
+              "own attention (K and V repeated per query head, slower on long contexts)")
 @click.option("--verbose", is_flag=True, help="show the torch.onnx exporter's output")
 def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int4_block_size,
-             dtype, verbose):
+             dtype, attention, verbose):
     """Export MODEL to ONNX with KV-cache inputs/outputs (optimum naming).
 
     MODEL is a model spec (qwen2.5-coder-0.5b, smollm2-135m, smollm2-135m@4 = first 4
@@ -139,7 +143,8 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
         man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, int8=int8,
                           parity=not no_parity,
                           parity_steps=steps, prompts=prompts, source=model,
-                          int4_block_size=int4_block_size, threads=threads, verbose=verbose)
+                          int4_block_size=int4_block_size, threads=threads, verbose=verbose,
+                          attention=attention)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(_summary(man, out), indent=2))

@@ -62,7 +62,8 @@ ONNX_VARIANTS = {
              "lm_head_bits": 4},
 }
 #: 2: graphs take ``logits_to_keep`` (a prefill runs the LM head on its last row only).
-_CACHE_FORMAT = 2
+#: 3: grouped-query attention traced without repeating K and V per query head.
+_CACHE_FORMAT = 3
 
 #: ``export(spec, variant, echo=...) -> folder``: builds a missing cached export
 #: (:func:`exporters.onnx.first_use.ensure_onnx_export`).

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from edge_sdk.drafters.onnx import MODEL_NAME
+from exporters.onnx.attention import ATTENTIONS
 from exporters.onnx.graph import DEFAULT_OPSET, export_graph
 from exporters.onnx.manifest import manifest_for, write_manifest
 from exporters.onnx.parity import check_parity, compare_exports, default_prompt
@@ -33,11 +34,11 @@ def _has_data(folder: Path) -> bool:
 
 
 def _fp32_manifest(model, path: Path, out: Path, opset: int, source, seconds: float,
-                   parity_prompt, steps: int, threads) -> dict:
+                   parity_prompt, steps: int, threads, attention: str) -> dict:
     """Write the float32 graph's manifest (``export_seconds``), then again with its
     :func:`check_parity` result (``parity``) unless ``parity_prompt`` is None."""
     man = manifest_for(model, dtype="float32", kv_dtype="float32", opset=opset,
-                       source=source, external=_has_data(out))
+                       source=source, external=_has_data(out), attention=attention)
     man["export_seconds"] = round(seconds, 2)
     write_manifest(out, man)
     if parity_prompt is not None:
@@ -47,42 +48,45 @@ def _fp32_manifest(model, path: Path, out: Path, opset: int, source, seconds: fl
     return man
 
 
-def _fp16_variant(model, out: Path, opset: int, source, verbose: bool) -> dict:
+def _fp16_variant(model, out: Path, opset: int, source, verbose: bool,
+                  attention: str) -> dict:
     """Trace a float16 copy of ``model`` into ``out/fp16``; returns its manifest."""
     t1 = time.perf_counter()
     half = copy.deepcopy(model).half().eval()
     vdir = out / "fp16"
-    export_graph(half, vdir / MODEL_NAME, opset=opset, verbose=verbose)
+    export_graph(half, vdir / MODEL_NAME, opset=opset, verbose=verbose,
+                 gqa=attention == "gqa")
     del half
     vm = manifest_for(model, dtype="float16", kv_dtype="float16", opset=opset,
-                      source=source, external=_has_data(vdir))
+                      source=source, external=_has_data(vdir), attention=attention)
     vm["export_seconds"] = round(time.perf_counter() - t1, 2)
     return vm
 
 
 def _quantized_variant(model, path: Path, out: Path, name: str, opset: int, source,
-                       block_size: int) -> dict:
+                       block_size: int, attention: str) -> dict:
     """Quantise the float32 graph ``path`` into ``out/<name>`` (``int4`` / ``int8``);
     returns its manifest (with ``quantization``)."""
     t1 = time.perf_counter()
     vdir = out / name
     qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, block_size=block_size)
     vm = manifest_for(model, dtype=name, kv_dtype="float32", opset=opset, source=source,
-                      external=_has_data(vdir))
+                      external=_has_data(vdir), attention=attention)
     vm["quantization"] = qinfo
     vm["export_seconds"] = round(time.perf_counter() - t1, 2)
     return vm
 
 
 def _variants(model, path: Path, out: Path, names: list[str], opset: int, source,
-              verbose: bool, block_size: int) -> dict:
+              verbose: bool, block_size: int, attention: str) -> dict:
     """Variant name (``fp16``, ``int4``, ``int8``, in that order) -> its manifest, each
     written into ``out/<name>``."""
     variants = {}
     for name in names:
-        variants[name] = (_fp16_variant(model, out, opset, source, verbose) if name == "fp16"
-                          else _quantized_variant(model, path, out, name, opset, source,
-                                                  block_size))
+        variants[name] = (
+            _fp16_variant(model, out, opset, source, verbose, attention) if name == "fp16"
+            else _quantized_variant(model, path, out, name, opset, source, block_size,
+                                    attention))
     return variants
 
 
@@ -104,7 +108,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 parity: bool = True,
                 parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
                 source: str | None = None, int4_block_size: int = 32,
-                threads: int | None = None, verbose: bool = False) -> dict:
+                threads: int | None = None, verbose: bool = False,
+                attention: str = "gqa") -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
     variants, checking each.
 
@@ -119,6 +124,9 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         prompts: token-id prompts for the checks (default one :func:`default_prompt`);
             the first is used for the float32 parity check.
         source: free text recorded in the manifest (model spec).
+        attention: ``gqa`` (default: :func:`~exporters.onnx.attention.gqa_attention`,
+            K and V never repeated over the query heads) or ``model`` (the model's own
+            attention, as traced before 2026-12-06).
     Returns:
         the float32 manifest as written (``parity``; ``variants`` -> path and
         ``agreement_vs_fp32`` per variant) plus ``variant_manifests`` -> each variant's
@@ -126,19 +134,23 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
     Raises:
         RuntimeError: the float32 export failed its parity check (the files stay on
         disk, the manifest records the failure).
+        ValueError: an unknown ``attention``.
     """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
     out = Path(out_dir)
     t0 = time.perf_counter()
     model = model.eval()
     if next(model.parameters()).dtype != torch.float32:
         model = copy.deepcopy(model).float()
     prompts = [list(p) for p in (prompts or [default_prompt(int(model.config.vocab_size))])]
-    path = export_graph(model, out / MODEL_NAME, opset=opset, verbose=verbose)
+    path = export_graph(model, out / MODEL_NAME, opset=opset, verbose=verbose,
+                        gqa=attention == "gqa")
     man = _fp32_manifest(model, path, out, opset, source, time.perf_counter() - t0,
-                         prompts[0] if parity else None, parity_steps, threads)
+                         prompts[0] if parity else None, parity_steps, threads, attention)
     variants = _variants(model, path, out, [n for n, on in (("fp16", fp16), ("int4", int4),
                                                             ("int8", int8)) if on],
-                         opset, source, verbose, int4_block_size)
+                         opset, source, verbose, int4_block_size, attention)
     _write_variants(out, variants, parity, prompts, parity_steps, threads)
     if variants:
         man["variants"] = {k: {"path": k, "agreement_vs_fp32": v.get("agreement_vs_fp32")}

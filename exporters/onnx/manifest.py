@@ -23,10 +23,12 @@ def _versions() -> dict:
 
 
 def manifest_for(model, *, dtype: str, kv_dtype: str, opset: int, source: str | None,
-                 external: bool) -> dict:
+                 external: bool, attention: str = "gqa") -> dict:
     """The manifest of ``model`` exported with weights in ``dtype`` (``float32``,
     ``float16``, ``int4``, ``int8``) and KV cache / logits in ``kv_dtype``; ``external``:
-    the weights are in ``model.onnx.data``; ``source``: the model spec, free text."""
+    the weights are in ``model.onnx.data``; ``source``: the model spec, free text;
+    ``attention``: how the attention was traced (``gqa``:
+    :func:`~exporters.onnx.attention.gqa_attention`; ``model``: the model's own)."""
     ins, outs = io_names(kv_geometry(model.config)["num_layers"])
     return {
         "format": "specrelay-onnx", "version": 1, "model_file": MODEL_NAME,
@@ -34,6 +36,7 @@ def manifest_for(model, *, dtype: str, kv_dtype: str, opset: int, source: str | 
         "source": source, "architecture": (model.config.architectures or [None])[0]
         or type(model).__name__, "model_type": model.config.model_type,
         **kv_geometry(model.config), "dtype": dtype, "kv_dtype": kv_dtype, "opset": opset,
+        "attention": attention,
         "inputs": ins, "outputs": outs,
         "dynamic_axes": {"batch_size": "dim 0 of every input/output",
                          "sequence_length": "new tokens per call",
