@@ -291,17 +291,20 @@ class Generation:
         finally:
             self.c.scheduler.close(self)      # committed or aborted: ready again
 
-    def _plan(self, proactive: bool, after: int = 0, remaining: int | None = None) -> int:
+    def _plan(self, proactive: bool, after: int = 0, remaining: int | None = None,
+              exposed: bool = False) -> int:
         """The controller's depth for the next block, clamped to the server's max block
         and to the tokens left (``after``: tokens the in-flight block commits if fully
-        accepted; ``remaining``: tokens left when there is no committer yet). 0:
-        nothing to draft."""
+        accepted; ``remaining``: tokens left when there is no committer yet;
+        ``exposed``: nothing hides its drafting, see :class:`PlanContext`). 0: nothing
+        to draft."""
         if self.target_only:
             return 0
         cap = self._cap(after, remaining)
         if cap <= 0:
             return 0
-        depth = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap))
+        depth = self.ctrl.next_depth(PlanContext(proactive=proactive, max_depth=cap,
+                                                 exposed=exposed))
         return max(1, min(int(depth), cap))
 
     def _cap(self, after: int = 0, remaining: int | None = None) -> int:
@@ -314,7 +317,7 @@ class Generation:
         """The round's block (None: a plain target step) and its planned depth: the
         branch kept from a proactive hit continued to its plan, or a fresh draft."""
         if kept is None:
-            planned = self._plan(False)
+            planned = self._plan(False, exposed=self.pro.mode != "off")
             return await self._draft(tokens, planned, self.round_idx), planned
         branch, planned = kept
         planned = min(planned, max(0, self.committer.remaining - 1), self.sess.max_block)

@@ -52,8 +52,25 @@ def test_blocks_sent_ahead_and_target_steps_do_not_set_the_round_trip():
     assert c.tau == pytest.approx(0.065) and c.next_depth() == 3
 
 
+def test_an_exposed_block_is_short_and_others_keep_the_paced_depth():
+    from edge_sdk.control import PlanContext
+
+    c = PacedDepth()
+    assert c.next_depth(PlanContext(exposed=True)) == 3            # before any measurement
+    c.update(_rec(tau=0.028, resp=0.242))
+    assert c.next_depth(PlanContext(exposed=True)) == 3
+    assert c.next_depth(PlanContext(proactive=True)) == 8
+    assert c.next_depth(PlanContext()) == 8 and c.next_depth() == 8
+    slow = PacedDepth()
+    slow.update(_rec(tau=0.089, resp=0.211))                       # L = 2 < fresh
+    assert slow.next_depth(PlanContext(exposed=True)) == 2
+    assert PacedDepth(fresh=None).next_depth(PlanContext(exposed=True)) == 8
+    assert PacedDepth(fresh=5, l_min=6, depth=8).next_depth(PlanContext(exposed=True)) == 6
+
+
 def test_bad_arguments():
-    for kw in ({"depth": 0}, {"l_min": 0}, {"depth": 2, "l_min": 3}, {"w": 0.0}, {"w": 1.5}):
+    for kw in ({"depth": 0}, {"l_min": 0}, {"depth": 2, "l_min": 3}, {"w": 0.0}, {"w": 1.5},
+               {"fresh": 0}):
         with pytest.raises(ValueError):
             PacedDepth(**kw)
 
@@ -64,13 +81,14 @@ def close_draft(target):
     return tiny_model(seed=3, like=target, noise=0.002)
 
 
-def _depths(url, tok, drafter):
+def _depths(url, tok, drafter, fresh=None):
     from bench.linkem.emulator import LinkEmulatorThread
     from bench.linkem.profiles import Profile
 
     async def go(base):
         async with EdgeClient(base, drafter, tok, chat=False, controller="paced",
-                              proactive="ipdg", send_ahead=True) as c:
+                              controller_kw={"fresh": fresh}, proactive="ipdg",
+                              send_ahead=True) as c:
             refs = [await c.generate(prompt_ids=p, target_only=True, max_new_tokens=40)
                     for p in PROMPTS]
             outs = [await c.generate(prompt_ids=p, max_new_tokens=40) for p in PROMPTS]
@@ -92,3 +110,11 @@ def test_a_slow_draft_gets_short_blocks_and_a_fast_one_the_full_depth(server, to
     fast = _depths(server.url, tok, TorchDrafter(close_draft))
     assert slow and sorted(slow)[len(slow) // 2] <= 3
     assert fast and sorted(fast)[len(fast) // 2] == 8
+
+
+def test_blocks_after_a_miss_are_short_through_the_server(server, tok, close_draft):
+    """The default paced controller drafts 3 tokens after a miss (nothing in flight)
+    and the paced depth, 8 here, ahead of a block in flight; the output is the
+    target's."""
+    depths = _depths(server.url, tok, TorchDrafter(close_draft), fresh=3)
+    assert set(depths) <= {1, 2, 3, 8} and 3 in depths and 8 in depths

@@ -47,6 +47,10 @@ ADAPTIVE_MODES = [
                    "at most --depth) + IPDG + blocks sent ahead",
                    client_kw={"controller": "paced", "proactive": "ipdg",
                               "send_ahead": True}),
+    _adaptive_mode("sr-paced-long", "sr-paced whose block after a miss is as deep as any "
+                   "other (the ablation of the paced controller's short exposed block)",
+                   client_kw={"controller": "paced", "proactive": "ipdg",
+                              "send_ahead": True, "controller_kw": {"fresh": None}}),
     _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
                    "proactive drafting)", client_kw={"proactive": "ipdg"}),
     _adaptive_mode("fsd", "specrelay, fixed depth --depth + FSD (pre-drafting from the "

@@ -29,11 +29,16 @@ class PlanContext:
         server's max block); the caller clamps to it, controllers may use it.
     delay_s: the caller's current estimate of send->response seconds, or None (the
         controller uses its own estimate).
+    exposed: the block is drafted while the cloud waits for it (no block in flight:
+        after a miss or a target step) and, once sent, the next block is drafted
+        proactively behind it. Round 0's block (drafted during the target's prefill),
+        proactive blocks and every block without proactive drafting are not exposed.
     """
 
     proactive: bool = False
     max_depth: int = L_MAX
     delay_s: float | None = None
+    exposed: bool = False
 
 
 @dataclass

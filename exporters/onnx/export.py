@@ -126,7 +126,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         source: free text recorded in the manifest (model spec).
         attention: ``gqa`` (default: :func:`~exporters.onnx.attention.gqa_attention`,
             K and V never repeated over the query heads) or ``model`` (the model's own
-            attention, as traced before 2026-12-06).
+            attention, as exports before cache format 3 had).
     Returns:
         the float32 manifest as written (``parity``; ``variants`` -> path and
         ``agreement_vs_fp32`` per variant) plus ``variant_manifests`` -> each variant's

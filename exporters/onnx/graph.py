@@ -141,7 +141,7 @@ def export_graph(model, path: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
             every new token, as exports before 2026-12-05 had).
         gqa: trace the attention with :func:`~exporters.onnx.attention.gqa_attention`
             (K and V never repeated over the query heads; False: the model's own
-            attention, as exports before 2026-12-06 had).
+            attention, as exports before cache format 3 had).
     Returns:
         the written path.
     """
