@@ -25,10 +25,12 @@ DEFAULT_CONTROLLER = "paced"
 """Depth controller of a greedy request when none is given (a sampled one drafts the
 fixed ``depth``, so that its seed replays its output whatever the timing):
 :class:`edge_sdk.control.PacedDepth`, as many drafts as a verification round trip hides,
-at most ``depth``. On a quiet device it drafts depth 8 every round, the same rounds as
-``sr-ahead@8``; with the edge's draft forwards 3x slower it drafts ~3 and is 1.13x /
-1.16x faster than depth 8 (HumanEval / MT-Bench, 6 + 6 prompts x 64 tokens, EPYC box,
-README)."""
+at most ``depth``, and 4 after a miss (nothing in flight to hide the drafting; the
+next block is drafted behind it). On a quiet device it drafts depth 8 ahead of a block
+in flight; with the edge's draft forwards 3x slower it drafts ~3 and is 1.13x / 1.16x
+faster than depth 8 (HumanEval / MT-Bench, 6 + 6 prompts x 64 tokens, EPYC box,
+README). The short block after a miss: 1.11x / 1.09x the rate of a full one on an AMX
+Xeon (at 3 tokens; README, "blocks after a miss")."""
 
 DEFAULT_PROACTIVE = "ipdg"
 """Proactive drafting mode (``off`` is stop-and-wait)."""

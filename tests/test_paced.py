@@ -56,9 +56,9 @@ def test_an_exposed_block_is_short_and_others_keep_the_paced_depth():
     from edge_sdk.control import PlanContext
 
     c = PacedDepth()
-    assert c.next_depth(PlanContext(exposed=True)) == 3            # before any measurement
+    assert c.next_depth(PlanContext(exposed=True)) == 4            # before any measurement
     c.update(_rec(tau=0.028, resp=0.242))
-    assert c.next_depth(PlanContext(exposed=True)) == 3
+    assert c.next_depth(PlanContext(exposed=True)) == 4
     assert c.next_depth(PlanContext(proactive=True)) == 8
     assert c.next_depth(PlanContext()) == 8 and c.next_depth() == 8
     slow = PacedDepth()
@@ -113,8 +113,20 @@ def test_a_slow_draft_gets_short_blocks_and_a_fast_one_the_full_depth(server, to
 
 
 def test_blocks_after_a_miss_are_short_through_the_server(server, tok, close_draft):
-    """The default paced controller drafts 3 tokens after a miss (nothing in flight)
+    """The default paced controller drafts 4 tokens after a miss (nothing in flight)
     and the paced depth, 8 here, ahead of a block in flight; the output is the
     target's."""
-    depths = _depths(server.url, tok, TorchDrafter(close_draft), fresh=3)
-    assert set(depths) <= {1, 2, 3, 8} and 3 in depths and 8 in depths
+    depths = _depths(server.url, tok, TorchDrafter(close_draft), fresh=4)
+    assert set(depths) <= {1, 2, 3, 4, 8} and 4 in depths and 8 in depths
+
+
+def test_the_exposed_block_model_trades_passes_for_rate():
+    """bench.probes.exposed_block: a short block after a miss is faster than a full one
+    and costs more target passes per token; the longer, the fewer passes."""
+    from bench.probes.exposed_block import simulate
+
+    full = simulate(0.9, 0.038, 0.30, 0.025, 8, 8, tokens=8000)
+    four = simulate(0.9, 0.038, 0.30, 0.025, 8, 4, tokens=8000)
+    two = simulate(0.9, 0.038, 0.30, 0.025, 8, 2, tokens=8000)
+    assert four[0] > 1.03 * full[0]
+    assert full[1] < four[1] < two[1]

@@ -17,12 +17,17 @@ ignores acceptance: a block's tail is priced as if it were as likely as its head
 
 An *exposed* block (drafted after a miss, when nothing is in flight) is the exception:
 the cloud idles for all of its ``L tau``, while the block after it is drafted in the
-shadow of its verification: the verifier is better fed early than with a long block.
-So it is kept short, ``fresh`` tokens (3): the cloud gets work after
-``3 tau`` instead of ``L tau``, and with a per-token acceptance ``a`` the next block
-(drafted meanwhile on the assumed full acceptance) is usable with probability ~``a^3``
-instead of ~``a^L`` (measured against ``fresh=None`` in the bench, modes ``sr-paced``
-and ``sr-paced-long``: README).
+shadow of its verification, so the verifier is better fed early than with a long block.
+It is kept short, ``fresh`` tokens (4): the cloud gets work after ``4 tau`` instead of
+``L tau``, and with a per-token acceptance ``a`` the next block (drafted meanwhile on
+the assumed full acceptance) is usable with probability ~``a^4`` instead of ~``a^L``.
+The price is target passes: a short block commits fewer tokens per pass. An event
+model of this cycle (``python -m bench.probes.exposed_block``: ``tau`` 38 ms, verify
+300 ms, 25 ms each way, ``L`` 8) gives, against an exposed block of 8, 1.07x / 1.11x
+the rate (``a`` 0.9 / 0.85) at 0.196 / 0.235 passes per token instead of 0.163 / 0.195
+for ``fresh`` 4, and 1.07x / 1.12x at 0.206 / 0.249 for ``fresh`` 3: 4 keeps nearly
+all the speed for fewer passes. Measured in the bench (modes ``sr-paced`` and
+``sr-paced-long``): README, "blocks after a miss".
 
 Without proactive drafting a block's drafting never overlaps its verification, and this
 rule is not the right one (use ``fixed`` or ``caac``).
@@ -55,7 +60,7 @@ class PacedDepth(DepthController):
     uses_depth = True
 
     def __init__(self, depth: int = 8, l_min: int = 1, w: float = 0.3,
-                 l_max: int = MAX_DRAFT_TOKENS, fresh: int | None = 3):
+                 l_max: int = MAX_DRAFT_TOKENS, fresh: int | None = 4):
         super().__init__(l_max)
         if int(depth) < 1 or int(l_min) < 1 or int(l_min) > int(depth):
             raise ValueError("need 1 <= l_min <= depth")
