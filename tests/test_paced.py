@@ -117,7 +117,7 @@ def test_blocks_after_a_miss_are_short_through_the_server(server, tok, close_dra
     and the paced depth, 8 here, ahead of a block in flight; the output is the
     target's."""
     depths = _depths(server.url, tok, TorchDrafter(close_draft), fresh=4)
-    assert set(depths) <= {1, 2, 3, 4, 8} and 4 in depths and 8 in depths
+    assert max(depths) == 8 and depths.count(4) >= 2     # (others: cut to the tokens left)
 
 
 def test_the_exposed_block_model_trades_passes_for_rate():
