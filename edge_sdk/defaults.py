@@ -29,8 +29,9 @@ at most ``depth``, and 4 after a miss (nothing in flight to hide the drafting; t
 next block is drafted behind it). On a quiet device it drafts depth 8 ahead of a block
 in flight; with the edge's draft forwards 3x slower it drafts ~3 and is 1.13x / 1.16x
 faster than depth 8 (HumanEval / MT-Bench, 6 + 6 prompts x 64 tokens, EPYC box,
-README). The short block after a miss: 1.11x / 1.09x the rate of a full one on an AMX
-Xeon (at 3 tokens; README, "blocks after a miss")."""
+README). The short block after a miss: 1.08x / 1.08x the rate of a full one on an AMX
+Xeon, at 1.14x / 1.16x the target passes per token (README, "a short block after a
+miss")."""
 
 DEFAULT_PROACTIVE = "ipdg"
 """Proactive drafting mode (``off`` is stop-and-wait)."""
