@@ -46,10 +46,9 @@ def calibration(tokenizer) -> list[list[int]]:
 def run_local(prompt: str, kw: dict) -> None:
     """Build the local session, generate ``prompt``, print text + metrics (or JSON)."""
     from edge_sdk.local_target.session import build_local
+    from edge_sdk.local_target.storage import parse_profile
     from edge_sdk.models import encode_prompt
     from specrelay_cli.options import sampling_config
-
-    from edge_sdk.local_target.storage import parse_profile
 
     cfg = sampling_config(kw)
     try:

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from exporters.cli import export
-from exporters.onnx.attention import gqa_attention, use_gqa_attention
+from exporters.onnx.attention import ATTENTIONS, gqa_attention, use_gqa_attention
 from exporters.onnx.export import export_onnx
 from exporters.onnx.parity import check_parity
 
@@ -123,3 +123,6 @@ def test_export_traces_gqa_by_default_and_model_attention_on_request(tmp_path):
     assert check_parity(tmp_path / "gqa", m, steps=24, prompt=prompt, threads=1)["passed"]
     with pytest.raises(ValueError, match="attention"):
         export_onnx(m, tmp_path / "bad", attention="flash", parity=False)
+    assert not (tmp_path / "bad").exists()                    # refused before writing
+    opt = next(p for p in export.commands["onnx"].params if p.name == "attention")
+    assert tuple(opt.type.choices) == ATTENTIONS

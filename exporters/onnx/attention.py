@@ -3,19 +3,20 @@
 transformers' ``sdpa`` and ``eager`` attention repeat each KV head over its query group
 (``repeat_kv``) before the two matmuls. Traced to ONNX that is, per layer and decode
 step, an ``Expand`` of the whole cached K and V to every query head and a ``Transpose``
-of the expanded K: on Qwen2.5-0.5B (14 query heads over 2 KV heads) at ~330 cached
-tokens, ~0.6 ms per layer, ~14 ms of a ~53 ms int4 draft step on one core
-(``python -m bench.probes.draft_attention``), growing with the context.
+of the expanded K, growing with the context: on Qwen2.5-0.5B (14 query heads over 2 KV
+heads) the int4 draft step on one core takes 49.1 ms with it and 39.5 ms without at 300
+cached tokens, 64.3 against 41.9 ms at 800 (``python -m bench.probes.draft_attention``).
 
 :func:`gqa_attention` computes the same attention (Ainslie et al. 2023, "GQA", §2:
 query heads share their group's K and V) by folding the query group into the rows of
 the score matrix instead: with ``g = H / H_kv`` query heads per KV head,
 
-    Q [B, H, S, D]  ->  Q' [B, H_kv, g * S, D]        (a view: heads are KV-major)
+    Q [B, H, S, D]  ->  Q' [B, H_kv, g * S, D]        (a reshape: heads are KV-major)
     A = softmax(Q' K^T * scale + mask)   [B, H_kv, g * S, N]
     O = A V  [B, H_kv, g * S, D]  ->  [B, S, H, D]
 
-so K and V are read once per KV head, as cached, and never copied. The additive mask
+so K and V are read once per KV head, as cached, and never copied (only Q, one row per
+new token and head, is). The additive mask
 ``[B, 1, S, N]`` is broadcast over the group (a ``[B, 1, 1, S, N]`` view).
 
 Export-time only: :func:`use_gqa_attention` switches a model to it for the trace. It
@@ -33,6 +34,8 @@ NAME = "specrelay_gqa"
 #: How an export traces the attention: ``gqa`` (:func:`gqa_attention`) or ``model``
 #: (the model's own implementation, K and V repeated per query head).
 ATTENTIONS = ("gqa", "model")
+#: What every export traces unless told otherwise (the first-use cache included).
+DEFAULT_ATTENTION = "gqa"
 
 
 def gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -74,6 +77,19 @@ def register() -> None:
 
     AttentionInterface.register(NAME, gqa_attention)
     AttentionMaskInterface.register(NAME, eager_mask)
+
+
+def check_attention(attention: str) -> None:
+    """Raises ValueError unless ``attention`` is one of :data:`ATTENTIONS`."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
+
+
+def traced_attention(model, attention: str):
+    """The context an export traces ``model`` in: :func:`use_gqa_attention` for
+    ``gqa``, nothing for ``model``. Raises ValueError: an unknown ``attention``."""
+    check_attention(attention)
+    return use_gqa_attention(model) if attention == "gqa" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from edge_sdk.drafters.onnx import MODEL_NAME
-from exporters.onnx.attention import ATTENTIONS
+from exporters.onnx.attention import DEFAULT_ATTENTION, check_attention
 from exporters.onnx.graph import DEFAULT_OPSET, export_graph
 from exporters.onnx.manifest import manifest_for, write_manifest
 from exporters.onnx.parity import check_parity, compare_exports, default_prompt
@@ -55,7 +55,7 @@ def _fp16_variant(model, out: Path, opset: int, source, verbose: bool,
     half = copy.deepcopy(model).half().eval()
     vdir = out / "fp16"
     export_graph(half, vdir / MODEL_NAME, opset=opset, verbose=verbose,
-                 gqa=attention == "gqa")
+                 attention=attention)
     del half
     vm = manifest_for(model, dtype="float16", kv_dtype="float16", opset=opset,
                       source=source, external=_has_data(vdir), attention=attention)
@@ -109,7 +109,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
                 source: str | None = None, int4_block_size: int = 32,
                 threads: int | None = None, verbose: bool = False,
-                attention: str = "gqa") -> dict:
+                attention: str = DEFAULT_ATTENTION) -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
     variants, checking each.
 
@@ -136,8 +136,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         disk, the manifest records the failure).
         ValueError: an unknown ``attention``.
     """
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
+    check_attention(attention)
     out = Path(out_dir)
     t0 = time.perf_counter()
     model = model.eval()
@@ -145,7 +144,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         model = copy.deepcopy(model).float()
     prompts = [list(p) for p in (prompts or [default_prompt(int(model.config.vocab_size))])]
     path = export_graph(model, out / MODEL_NAME, opset=opset, verbose=verbose,
-                        gqa=attention == "gqa")
+                        attention=attention)
     man = _fp32_manifest(model, path, out, opset, source, time.perf_counter() - t0,
                          prompts[0] if parity else None, parity_steps, threads, attention)
     variants = _variants(model, path, out, [n for n, on in (("fp16", fp16), ("int4", int4),

@@ -26,6 +26,7 @@ from edge_sdk.drafters import runtime as sdk_runtime
 from edge_sdk.drafters.onnx import MODEL_NAME
 from edge_sdk.drafters.runtime import (ONNX_VARIANTS, cache_key, export_is_current,
                                       onnx_cache_path)
+from exporters.onnx.attention import DEFAULT_ATTENTION
 from exporters.onnx.graph import DEFAULT_OPSET, export_graph
 from exporters.onnx.manifest import manifest_for, write_manifest
 from exporters.onnx.parity import check_parity, compare_exports, default_prompt
@@ -61,9 +62,11 @@ def _fp32_export(spec: str, fp32_dir: Path, check_steps: int, echo,
     model.float()  # in place: no second copy
     prompts = _check_prompts(tok, int(model.config.vocab_size))
     echo(announce)
-    export_graph(model, fp32_dir / MODEL_NAME, opset=DEFAULT_OPSET)
+    export_graph(model, fp32_dir / MODEL_NAME, opset=DEFAULT_OPSET,
+                 attention=DEFAULT_ATTENTION)
     man = manifest_for(model, dtype="float32", kv_dtype="float32", opset=DEFAULT_OPSET,
-                       source=spec, external=(fp32_dir / (MODEL_NAME + ".data")).exists())
+                       source=spec, external=(fp32_dir / (MODEL_NAME + ".data")).exists(),
+                       attention=DEFAULT_ATTENTION)
     write_manifest(fp32_dir, man)
     par = check_parity(fp32_dir, model, steps=check_steps, prompt=prompts[0], threads=1)
     if not par["passed"]:

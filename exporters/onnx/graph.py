@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from edge_sdk.drafters.onnx import KEEP_INPUT, past_name, present_name
-from exporters.onnx.attention import use_gqa_attention
+from exporters.onnx.attention import DEFAULT_ATTENTION, check_attention, traced_attention
 
 DEFAULT_OPSET = 18
 #: Models whose weights exceed this many bytes are written with external data.
@@ -129,7 +129,7 @@ def _rename_dims(path: Path, num_layers: int) -> None:
 
 def export_graph(model, path: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
                  external_data: bool | None = None, verbose: bool = False,
-                 logits_to_keep: bool = True, gqa: bool = True) -> Path:
+                 logits_to_keep: bool = True, attention: str = DEFAULT_ATTENTION) -> Path:
     """Trace ``model`` (a HF causal LM in eval mode, any float dtype) to an ONNX file with
     KV-cache inputs/outputs (see the module docstring for names and shapes).
 
@@ -139,12 +139,16 @@ def export_graph(model, path: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
         external_data: store weights in ``<file>.data``; None decides by size (> 1 GiB).
         logits_to_keep: give the graph the ``logits_to_keep`` input (False: logits for
             every new token, as exports before 2026-12-05 had).
-        gqa: trace the attention with :func:`~exporters.onnx.attention.gqa_attention`
-            (K and V never repeated over the query heads; False: the model's own
-            attention, as exports before cache format 3 had).
+        attention: ``gqa`` traces the attention with
+            :func:`~exporters.onnx.attention.gqa_attention` (K and V never repeated over
+            the query heads); ``model``: the model's own attention, as exports before
+            cache format 3 had.
     Returns:
         the written path.
+    Raises:
+        ValueError: an unknown ``attention`` (before anything is written).
     """
+    check_attention(attention)
     geo = kv_geometry(model.config)
     n, h, d = geo["num_layers"], geo["num_kv_heads"], geo["head_dim"]
     path = Path(path)
@@ -169,8 +173,8 @@ def export_graph(model, path: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
     if not logits_to_keep:
         args, shapes, ins = args[:-1], shapes[:-1], ins[:-1]
     wrapper = _KVWrapper(model, n).eval()
-    attn = use_gqa_attention(model) if gqa else contextlib.nullcontext()
-    with quiet(verbose), attn, torch.inference_mode(False), torch.no_grad():
+    with (quiet(verbose), traced_attention(model, attention), torch.inference_mode(False),
+          torch.no_grad()):
         torch.onnx.export(wrapper, args, str(path), input_names=ins,
                           output_names=outs, dynamic_shapes=shapes, dynamo=True,
                           opset_version=opset, external_data=external_data,

@@ -23,7 +23,7 @@ def _versions() -> dict:
 
 
 def manifest_for(model, *, dtype: str, kv_dtype: str, opset: int, source: str | None,
-                 external: bool, attention: str = "gqa") -> dict:
+                 external: bool, attention: str) -> dict:
     """The manifest of ``model`` exported with weights in ``dtype`` (``float32``,
     ``float16``, ``int4``, ``int8``) and KV cache / logits in ``kv_dtype``; ``external``:
     the weights are in ``model.onnx.data``; ``source``: the model spec, free text;
