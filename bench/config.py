@@ -94,9 +94,9 @@ class BenchConfig:
     mode_workloads: dict | None = None
 
 
-_QUICK_BASIC = ["cloud-ar", "standard-sd", "specrelay", "sr-ahead"]
-_QUICK_ADAPTIVE = ["caac", "fixed-3", "fixed-5"]          # medium and medium+slow
-_QUICK_PROACTIVE = ["stop-and-wait", "ipdg", "npdg"]      # medium and medium+slow, at --depth
+_QUICK_BASIC = ["cloud-ar", "standard-sd"]
+_QUICK_ADAPTIVE = ["sr-paced", "caac", "fixed-3", "fixed-5"]   # medium and medium+slow
+_QUICK_PROACTIVE = ["stop-and-wait", "ipdg", "ipdg-skip", "npdg"]   # both, at --depth
 _QUICK_PEERS = ["llamacpp-ar", "llamacpp-spec"]
 _QUICK_CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent"]
 QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PEERS
@@ -111,13 +111,17 @@ QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PE
                             **{m: ["medium", "medium+slow"]
                                for m in _QUICK_ADAPTIVE + _QUICK_PROACTIVE}},
              mode_workloads=None)
-"""``--quick`` settings (the default pair; 9.8 minutes measured on 2 CPU cores at depth 8): 4 greedy
-HumanEval prompts x 32 tokens per cell. The basic modes and the llama.cpp peers on
-``medium``; CAAC and fixed depths 3 and 5, and IPDG / NPDG / stop-and-wait (at
-``--depth``), on ``medium`` and ``medium+slow`` (3x slower draft forwards from 3 s into
-each run: where a verdict can arrive while a proactive branch is still being drafted,
-so IPDG's interruption acts); the
-confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16 tokens, depth 1,
-on ``weak``. Ratio rows: uplink vs standard-sd, specrelay vs cloud-ar, caac vs
-best-fixed, ipdg vs npdg / stop-and-wait, pipeline vs the strongest baseline, and each
-peer's speculative gain."""
+"""``--quick`` settings (the default pair; 4 greedy HumanEval prompts x 32 tokens per
+cell; 9.8 minutes measured on a 2-core EPYC at depth 8, 13.9 on a 2-core AMX Xeon). The
+target alone (``cloud-ar``), ``standard-sd`` and the llama.cpp peers on ``medium``; the
+SDK's default (``sr-paced``: the paced depth + IPDG + blocks sent ahead), CAAC, fixed
+depths 3 and 5, and IPDG (also skipping branches predicted to miss: ``ipdg-skip``) /
+NPDG / stop-and-wait (at ``--depth``), on ``medium`` and
+``medium+slow`` (3x slower draft forwards from 3 s into each run: where a verdict can
+arrive while a proactive branch is still being drafted, so IPDG's interruption acts);
+the confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16 tokens,
+depth 1, on ``weak``. Ratio rows: uplink vs standard-sd and throughput vs cloud-ar (the
+SDK's default), sr-paced and caac vs best-fixed, ipdg and ipdg-skip vs npdg /
+stop-and-wait, pipeline
+vs the strongest baseline, and each peer's speculative gain. ``specrelay`` (stop-and-wait
+at ``--depth``) is the ``stop-and-wait`` row here: the same client, not run twice."""

@@ -19,7 +19,8 @@ from edge_sdk import correction as C
 from edge_sdk.channel import ChannelEstimator
 from edge_sdk.control import DepthController, FixedDepth, make_controller
 from edge_sdk.control.siblings import SiblingPolicy
-from edge_sdk.defaults import DEFAULT_CONTROLLER, DEFAULT_DEPTH, DEFAULT_PROACTIVE
+from edge_sdk.defaults import (DEFAULT_CONTROLLER, DEFAULT_DEPTH, DEFAULT_PROACTIVE,
+                               DEFAULT_PROACTIVE_MIN_HIT)
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import PREFILL_STEPS, Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
@@ -82,6 +83,13 @@ class EdgeClient:
             confirmed-prefix grants (they draft a descendant of an unresolved block).
         proactive_roots: b, the number of guessed bonus tokens (b > 1: a tree of b
             branches, each on its own drafter fork).
+        proactive_min_hit: in [0, 1), default
+            :data:`edge_sdk.defaults.DEFAULT_PROACTIVE_MIN_HIT`. ``ipdg`` skips the
+            proactive branch of a block whose predicted
+            whole-block acceptance (:func:`edge_sdk.proactive.hit_chance`: the product
+            of the draft's probabilities of its tokens) is below it: the branch would
+            only be kept if the whole block were accepted. 0: never skip. Speed and
+            edge work only; the output is the target's either way.
         send_ahead: pipelined verification (needs ``proactive``; chains only, b = 1;
             None, the default: on unless ``proactive="off"``):
             a proactive block completed while the previous block is still in flight is
@@ -148,6 +156,7 @@ class EdgeClient:
                  controller: str | DepthController | None = None,
                  controller_kw: dict | None = None, proactive: str = DEFAULT_PROACTIVE,
                  proactive_roots: int = 1, send_ahead: bool | None = None,
+                 proactive_min_hit: float = DEFAULT_PROACTIVE_MIN_HIT,
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
                  ssl_context=None, local_target=None, acceptance: str = "exact",
@@ -165,6 +174,8 @@ class EdgeClient:
             raise ValueError(f"proactive must be one of {PROACTIVE_MODES}")
         if not 1 <= int(proactive_roots) <= MAX_PROACTIVE_ROOTS:
             raise ValueError(f"proactive_roots must be in 1..{MAX_PROACTIVE_ROOTS}")
+        if not 0.0 <= float(proactive_min_hit) < 1.0:
+            raise ValueError(f"proactive_min_hit must be in [0, 1), not {proactive_min_hit!r}")
         if send_ahead is None:                      # default: on with proactive drafting
             send_ahead = proactive != "off"
         if send_ahead and proactive == "off":
@@ -188,6 +199,7 @@ class EdgeClient:
         self.carry_controller = bool(carry_controller)
         self._warm: dict[str, DepthController] = {}     # registry name -> last state
         self.proactive, self.proactive_roots = proactive, int(proactive_roots)
+        self.proactive_min_hit = float(proactive_min_hit)
         self.send_ahead = bool(send_ahead)
         if prefill_steps not in PREFILL_STEPS:
             raise ValueError(f"prefill_steps must be one of {PREFILL_STEPS}")

@@ -35,3 +35,8 @@ miss")."""
 
 DEFAULT_PROACTIVE = "ipdg"
 """Proactive drafting mode (``off`` is stop-and-wait)."""
+
+DEFAULT_PROACTIVE_MIN_HIT = 0.0
+"""IPDG starts a proactive branch only when the block in flight is predicted to be
+accepted whole with at least this probability (:func:`edge_sdk.proactive.hit_chance`);
+0 drafts ahead after every block."""

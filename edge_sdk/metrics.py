@@ -67,6 +67,7 @@ class RequestMetrics:
     proactive_drafted_tokens: int = 0   # tokens drafted proactively (all branches)
     proactive_wasted_tokens: int = 0    # ... discarded (misses, pruned tree branches)
     proactive_late_steps: int = 0   # expansion steps started after the verdict (NPDG)
+    proactive_skipped: int = 0      # rounds whose branch IPDG skipped (hit_chance < min_hit)
     # pipelined verification (send_ahead): proactive blocks sent before the verdict
     ahead_blocks: int = 0           # blocks sent ahead
     ahead_hits: int = 0             # ... verified by the cloud and used
@@ -134,6 +135,7 @@ class RequestMetrics:
             "proactive_drafted_tokens": self.proactive_drafted_tokens,
             "proactive_wasted_tokens": self.proactive_wasted_tokens,
             "proactive_late_steps": self.proactive_late_steps,
+            "proactive_skipped": self.proactive_skipped,
             "ahead_blocks": self.ahead_blocks, "ahead_hits": self.ahead_hits,
             "ahead_dropped": self.ahead_dropped,
             "early_verdicts": self.early_verdicts, "early_hits": self.early_hits,

@@ -27,8 +27,15 @@ ownership swap, zero copy); the other forks are not copied or remapped: their ne
 batched forward. Drafters that cannot fork share one cache; branches then re-run their
 tokens on every switch (correct, slower).
 
+A branch is a hit only if the whole block in flight is accepted, so IPDG may also skip
+the branch of a block it expects to lose (``min_hit``): :func:`hit_chance` predicts
+that from the draft's own probabilities of the block's tokens (the same signal by which
+EAGLE-2, Li et al. 2024, §4, and SpecDec++, Huang et al. 2024, decide where a draft
+stops being worth verifying). A skipped branch costs a hit's head start only; the edge
+drafts nothing a miss would discard.
+
 NPDG (non-interruptible baseline): runs to the planned depth whatever the feedback,
-then keeps (hit) or discards (miss).
+then keeps (hit) or discards (miss); it never skips.
 
 FSD (the FSD review, §III): the cloud streams an *early verdict* (accepted drafts and
 the next token, read at an early exit of the target) before the final one. On it the
@@ -64,6 +71,22 @@ from edge_sdk.protocol.sampling import SamplingConfig, process_next
 MODES = ("off", "ipdg", "npdg", "fsd", "fsd+ipdg")
 EARLY_MODES = ("fsd", "fsd+ipdg")
 """Proactive modes that ask the cloud for early verdicts."""
+SKIPPING_MODES = ("ipdg",)
+"""Proactive modes that skip the branch of a block predicted to miss (``min_hit``; the
+FSD modes keep drafting from the early verdict instead)."""
+
+
+def hit_chance(block: DraftBlock) -> float:
+    """The draft's own estimate that the target accepts every token of ``block``: the
+    product over its g positions of the draft probability of the drafted token
+    (greedy: ``conf``, the softmax probability of the argmax; sampled: ``q_tok``,
+    ``q_i(d_i)``, a proxy for ``min(1, p_i(d_i) / q_i(d_i))``). 1.0 for an empty block;
+    None-free. Returns a float in [0, 1]."""
+    probs = block.conf if block.conf is not None else [float(x) for x in block.q_tok]
+    out = 1.0
+    for p in probs:
+        out *= min(1.0, max(0.0, float(p)))
+    return out
 
 
 def guess_roots(drafter: Drafter, assumed: Sequence[int], cfg: SamplingConfig,

@@ -8,6 +8,7 @@ import json
 
 import click
 
+from edge_sdk.defaults import DEFAULT_PROACTIVE_MIN_HIT
 from specrelay_cli.options import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_CHOICE, DTYPE_HELP,
                                    SMOLLM2_DRAFT, default_draft, make_drafter,
                                    sampling_config, sampling_options)
@@ -32,6 +33,7 @@ def _client_options(kw: dict) -> dict:
                 controller=(None if kw.get("controller", "auto") == "auto"
                             else kw["controller"]),
                 proactive=proactive, proactive_roots=kw.get("proactive_roots", 1),
+                proactive_min_hit=kw.get("proactive_min_hit", DEFAULT_PROACTIVE_MIN_HIT),
                 send_ahead=kw.get("send_ahead", False) and proactive != "off",
                 siblings=kw.get("siblings", 0) or None,
                 offline_timeout_s=kw.get("offline_timeout", 300.0),

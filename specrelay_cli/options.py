@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
+from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE, DEFAULT_PROACTIVE_MIN_HIT
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS, MAX_SIBLINGS
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
@@ -88,6 +88,11 @@ SAMPLING_OPTIONS = [
                  "is confirmed). Needs --proactive other than off."),
     click.option("--proactive-roots", type=click.IntRange(1, MAX_PROACTIVE_ROOTS),
                  default=1, show_default=True, help="Guessed bonus tokens (b > 1: a tree)."),
+    click.option("--proactive-min-hit", type=click.FloatRange(0.0, 1.0, max_open=True),
+                 default=DEFAULT_PROACTIVE_MIN_HIT, show_default=True,
+                 help="ipdg: skip drafting ahead of a block whose predicted "
+                 "whole-block acceptance (product of the draft's probabilities of its "
+                 "tokens) is below this; 0: never skip."),
     click.option("--siblings", type=click.IntRange(0, MAX_SIBLINGS), default=0,
                  show_default=True, help="Greedy token trees: the draft's next-best "
                  "tokens verified beside each draft position it is least sure of, in "

@@ -46,6 +46,8 @@ def test_best_fixed_and_ratio_orientation():
              proactive_wasted_tokens=4),
         _run("npdg", "p", "a", tpot_s=0.12, wasted_draft_tokens=40,
              proactive_wasted_tokens=12),
+        _run("ipdg-skip", "p", "a", tpot_s=0.25, wasted_draft_tokens=8,
+             proactive_wasted_tokens=2),
         _run("fixed-2", "q", "a", throughput_tok_s=3.0),
         _run("caac", "q", "a", throughput_tok_s=1.5),
         _run("ipdg", "q", "a", tpot_s=0.1, wasted_draft_tokens=0),   # zero: skipped
@@ -62,6 +64,30 @@ def test_best_fixed_and_ratio_orientation():
     assert rows[("proactive_wasted_tokens", "p", "ipdg", "npdg")] == pytest.approx(3.0)
     assert ("wasted_draft_tokens", "q", "ipdg", "npdg") not in rows
     assert rows[("tpot_s", "p", "ipdg", "stop-and-wait")] == pytest.approx(2.0)
+    assert rows[("wasted_draft_tokens", "p", "ipdg-skip", "npdg")] == pytest.approx(5.0)
+    assert rows[("proactive_wasted_tokens", "p", "ipdg-skip", "npdg")] == pytest.approx(6.0)
+    assert rows[("tpot_s", "p", "ipdg-skip", "stop-and-wait")] == pytest.approx(0.8)
+
+
+def test_sdk_default_gets_generic_and_best_fixed_rows():
+    # sr-paced (the SDK's default) is compared like a speculative mode (vs cloud-ar,
+    # standard-sd, the best peer) and against the best fixed depth; other adaptive modes
+    # (caac, fixed-N, stop-and-wait) keep to the adaptive rows
+    from bench.report.ratios import peer_ratios, ratio_specs
+
+    modes = ["cloud-ar", "standard-sd", "sr-paced", "caac", "fixed-3", "stop-and-wait"]
+    specs = {(met, m, b) for met, m, b, _ in ratio_specs(modes)}
+    assert specs == {("uplink_bytes_per_token", "sr-paced", "standard-sd"),
+                     ("throughput_tok_s", "sr-paced", "cloud-ar"),
+                     ("throughput_tok_s", "sr-paced", "standard-sd")}
+    runs = [_run("fixed-3", "p", "a", throughput_tok_s=4.0),
+            _run("stop-and-wait", "p", "a", throughput_tok_s=5.0),
+            _run("sr-paced", "p", "a", throughput_tok_s=6.0),
+            _run("llamacpp-ar", "p", "a", throughput_tok_s=3.0)]
+    rows = {(r["mode"], r["baseline"]): r["value"] for r in adaptive_ratios(runs)}
+    assert rows[("sr-paced", "best-fixed")] == pytest.approx(1.2)
+    (peer,) = peer_ratios(runs)
+    assert (peer["mode"], peer["value"]) == ("sr-paced", pytest.approx(2.0))
 
 
 def test_best_fixed_geomean_over_workloads():
@@ -92,10 +118,13 @@ def test_proactive_timing_and_depths():
 def test_quick_preset_has_the_adaptive_group():
     # caac vs best-fixed, and ipdg vs npdg / stop-and-wait (same depth), with and without
     # the mid-run edge slowdown under which IPDG's interruption acts (RAPID)
-    for m in ("caac", "fixed-3", "fixed-5", "ipdg", "npdg", "stop-and-wait"):
+    # the SDK's default (sr-paced) in both, against cloud-ar and the best fixed depth
+    for m in ("sr-paced", "caac", "fixed-3", "fixed-5", "ipdg", "ipdg-skip", "npdg",
+              "stop-and-wait"):
         assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium", "medium+slow"]
-    for m in ("cloud-ar", "specrelay", "sr-ahead"):
+    for m in ("cloud-ar", "standard-sd", "llamacpp-ar", "llamacpp-spec"):
         assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium"]
+    assert len(QUICK["modes"]) == len(set(QUICK["modes"]))
     assert sum(m.startswith("fixed-") for m in QUICK["modes"]) >= 2
     assert QUICK["prompts"] >= 4 and QUICK["max_new_tokens"] >= 32
     assert QUICK["edge_slowdown"] > 1 and QUICK["slowdown_at_s"] > 0

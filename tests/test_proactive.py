@@ -210,6 +210,45 @@ def test_ipdg_stops_after_verdict_npdg_runs_to_plan(tok, target, close_draft):
     assert lag(ipdg) < lag(npdg)
 
 
+def test_hit_chance_is_the_product_of_the_drafts_own_probabilities():
+    from edge_sdk.drafters.base import DraftBlock
+    from edge_sdk.proactive import hit_chance
+
+    greedy = DraftBlock([1, 2, 3], torch.ones(3, dtype=torch.float64), None,
+                        cands=[[4], [5], [6]], conf=[0.9, 0.5, 0.8])
+    assert hit_chance(greedy) == pytest.approx(0.36)
+    sampled = DraftBlock([1, 2], torch.tensor([0.5, 0.25], dtype=torch.float64), None)
+    assert hit_chance(sampled) == pytest.approx(0.125)
+    assert hit_chance(DraftBlock([], torch.zeros(0, dtype=torch.float64), None)) == 1.0
+
+
+def test_ipdg_skips_branches_of_blocks_predicted_to_miss(svc, tok, close_draft, reference):
+    """min_hit: IPDG drafts ahead only after blocks whose product of draft
+    probabilities reaches it; a skipped round drafts nothing proactively, and the
+    output is the target's whatever the threshold. NPDG (the baseline) never skips."""
+    m = {}
+    for min_hit in (0.0, 0.5, 0.999):
+        out = generate(svc, TorchDrafter(close_draft), tok, depth=6, proactive="ipdg",
+                       proactive_min_hit=min_hit)
+        assert out.token_ids == reference
+        m[min_hit] = out.metrics
+    assert m[0.0]["proactive_skipped"] == 0 and m[0.0]["proactive_drafted_tokens"] > 0
+    assert m[0.5]["proactive_skipped"] > 0
+    assert m[0.5]["proactive_drafted_tokens"] < m[0.0]["proactive_drafted_tokens"]
+    # a tiny random pair is never that sure of a whole block: nothing drafted ahead
+    assert m[0.999]["proactive_skipped"] > 0 and m[0.999]["proactive_drafted_tokens"] == 0
+    assert m[0.999]["rounds"] > 3
+    npdg = generate(svc, TorchDrafter(close_draft), tok, depth=6, proactive="npdg",
+                    proactive_min_hit=0.999).metrics
+    assert npdg["proactive_skipped"] == 0 and npdg["proactive_drafted_tokens"] > 0
+
+
+def test_min_hit_out_of_range(tok):
+    for bad in (-0.1, 1.0, 2):
+        with pytest.raises(ValueError, match="proactive_min_hit"):
+            EdgeClient("inproc://", None, tok, proactive_min_hit=bad)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 def test_ipdg_sampling_equals_stop_and_wait_seed_by_seed(svc, tok, close_draft):

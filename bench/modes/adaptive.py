@@ -17,9 +17,11 @@ __all__ = ["ADAPTIVE_MODES"]
 class _AdaptiveMode(EdgeClientMode):
     """The compact protocol with a depth controller (RAPID; UCB-SpecStop) and/or proactive
     drafting (RAPID); compared by :func:`bench.report.ratios.adaptive_ratios` only (no generic
-    ratio rows)."""
+    ratio rows), except the SDK's default (``sdk_default``), which also gets the generic
+    rows of a speculative mode (against every baseline and the best peer)."""
 
     adaptive: ClassVar[bool] = True
+    sdk_default: ClassVar[bool] = False
 
 
 def _adaptive_mode(name: str, description: str, baseline: bool = False, **attrs) -> type:
@@ -44,15 +46,22 @@ ADAPTIVE_MODES = [
     _adaptive_mode("rapid-npdg", "specrelay, CAAC + NPDG (non-interruptible proactive "
                    "baseline)", client_kw={"controller": "caac", "proactive": "npdg"}),
     _adaptive_mode("sr-paced", "specrelay, verdict-paced depth (round trip / draft time, "
-                   "at most --depth) + IPDG + blocks sent ahead",
+                   "at most --depth) + IPDG + blocks sent ahead (the SDK's default)",
                    client_kw={"controller": "paced", "proactive": "ipdg",
-                              "send_ahead": True}),
+                              "send_ahead": True}, sdk_default=True),
     _adaptive_mode("sr-paced-long", "sr-paced whose block after a miss is as deep as any "
                    "other (the ablation of the paced controller's short exposed block)",
                    client_kw={"controller": "paced", "proactive": "ipdg",
                               "send_ahead": True, "controller_kw": {"fresh": None}}),
+    _adaptive_mode("sr-paced-tree", "sr-paced with greedy sibling trees: the draft's two "
+                   "next-best tokens verified beside the positions it is least sure of",
+                   client_kw={"controller": "paced", "proactive": "ipdg",
+                              "send_ahead": True, "siblings": 2}),
     _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
                    "proactive drafting)", client_kw={"proactive": "ipdg"}),
+    _adaptive_mode("ipdg-skip", "specrelay, fixed depth --depth + IPDG that skips the "
+                   "branch of a block predicted to miss (proactive_min_hit 0.3)",
+                   client_kw={"proactive": "ipdg", "proactive_min_hit": 0.3}),
     _adaptive_mode("fsd", "specrelay, fixed depth --depth + FSD (pre-drafting from the "
                    "cloud's streamed early-exit verdict)", client_kw={"proactive": "fsd"},
                    early_exit=True),

@@ -95,10 +95,11 @@ def depth_summary(per_request: Sequence[dict]) -> dict:
 
 
 def proactive_totals(per_request: Sequence[dict]) -> dict:
-    """Sums over the requests of ``proactive_late_steps``, ``proactive_wasted_tokens``
-    and ``proactive_drafted_tokens`` (0 where a request has none)."""
+    """Sums over the requests of ``proactive_late_steps``, ``proactive_wasted_tokens``,
+    ``proactive_drafted_tokens``, ``proactive_skipped`` (branches IPDG skipped) and the
+    early-verdict counts (0 where a request has none)."""
     return {k: sum(p.get(k, 0) or 0 for p in per_request)
-            for k in ("proactive_late_steps", "proactive_wasted_tokens",
+            for k in ("proactive_late_steps", "proactive_wasted_tokens", "proactive_skipped",
                       "proactive_drafted_tokens", "early_verdicts", "early_hits",
                       "early_redirects", "early_redirect_hits")}
 

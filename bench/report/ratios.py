@@ -13,11 +13,13 @@
   peer on the whole box?";
 * adaptive drafting (RAPID; UCB-SpecStop), :func:`adaptive_ratios`:
 
-  - ``throughput_tok_s`` of ``caac`` (and ``rapid``) vs ``best-fixed``: per profile
+  - ``throughput_tok_s`` of ``caac`` (and ``rapid``, and the SDK's default
+    ``sr-paced``) vs ``best-fixed``: per profile
     label and workload the best throughput among the fixed-depth stop-and-wait modes
     that ran (``fixed-N``, ``stop-and-wait``), chosen *after the fact* (an oracle no
     fixed setting could know in advance); value = mode / best;
-  - ``wasted_draft_tokens`` of ``ipdg`` vs ``npdg``: value = npdg / ipdg (2.0 = IPDG
+  - ``wasted_draft_tokens`` of ``ipdg`` (and ``ipdg-skip``: IPDG that skips the branch
+    of a block predicted to miss) vs ``npdg``: value = npdg / ipdg (2.0 = IPDG
     wastes half). This counts every discarded draft token, the in-flight block's
     rejected drafts included (the same for both at the same depth);
     ``proactive_wasted_tokens`` (same orientation) counts only the proactive branches'
@@ -132,12 +134,12 @@ def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
     *speculative gain* (e.g. ``llamacpp-spec`` / ``llamacpp-ar``, beside ``specrelay`` /
     ``cloud-ar``). ``wisv`` also gets ``mean_accepted_length`` and ``tpot_s`` rows
     against ``specrelay``. Adaptive modes get their rows from :func:`adaptive_ratios`
-    only.
+    only, except the SDK's default (``sdk_default``: ``sr-paced``), which gets these too.
     Raises ValueError for an unknown mode name."""
     from bench.modes import get_mode
 
     specs = []
-    modes = [m for m in modes if not getattr(get_mode(m), "adaptive", False)]
+    modes = [m for m in modes if _generic(m)]
     peers = [m for m in modes if getattr(get_mode(m), "peer", False)]
     base = [m for m in modes if get_mode(m).baseline and m not in peers]
     for m in modes:
@@ -168,6 +170,12 @@ def _flag(mode: str, attr: str) -> bool:
         return bool(getattr(get_mode(mode), attr, False))
     except ValueError:          # a mode this build does not know (an older results.json)
         return False
+
+
+def _generic(mode: str) -> bool:
+    """Whether ``mode`` gets the generic rows: not an adaptive-drafting mode, or the
+    SDK's default one."""
+    return not _flag(mode, "adaptive") or _flag(mode, "sdk_default")
 
 
 def _best_by_cell(runs: Sequence[dict], metric: str, keep) -> dict[str, dict]:
@@ -208,7 +216,7 @@ def peer_ratios(runs: Sequence[dict]) -> list[dict]:
     if not best:
         return []
     ours = [m for m in dict.fromkeys(mode for mode, _, _ in idx)
-            if not any(_flag(m, a) for a in ("peer", "baseline", "adaptive"))]
+            if _generic(m) and not any(_flag(m, a) for a in ("peer", "baseline"))]
     rows = [ratio_row(idx, prof, workloads, "throughput_tok_s", m, BEST_PEER, True,
                       _value_of(best)) for m in ours for prof in profiles]
     return [r for r in rows if r is not None]
@@ -229,11 +237,12 @@ def adaptive_ratios(runs: Sequence[dict]) -> list[dict]:
     with a zero denominator (e.g. IPDG wasting nothing) are skipped."""
     idx, profiles, workloads = run_index(runs)
     best_of = _value_of(best_fixed(runs))
-    specs = ([("throughput_tok_s", m, BEST_FIXED, True, best_of) for m in ("caac", "rapid")]
-             + [(k, "ipdg", "npdg", False, None)
+    specs = ([("throughput_tok_s", m, BEST_FIXED, True, best_of)
+              for m in ("caac", "rapid", "sr-paced")]
+             + [(k, m, "npdg", False, None) for m in ("ipdg", "ipdg-skip")
                 for k in ("wasted_draft_tokens", "proactive_wasted_tokens")]
              + [("tpot_s", m, "stop-and-wait", False, None)
-                for m in ("ipdg", "rapid", "fsd", "fsd+ipdg")]
+                for m in ("ipdg", "ipdg-skip", "rapid", "fsd", "fsd+ipdg")]
              + [("tpot_s", m, "ipdg", False, None) for m in ("fsd", "fsd+ipdg")])
     rows = [ratio_row(idx, prof, workloads, metric, mode, base, higher, fn)
             for metric, mode, base, higher, fn in specs for prof in profiles]

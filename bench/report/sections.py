@@ -21,9 +21,10 @@ _ADAPTIVE_COLS = [
     ("proactive_ready_before_response", "ready before resp", 1.0, "{:.2f}"),
     ("proactive_ready_minus_response_s", "ready−resp ms", 1e3, "{:.0f}"),
     ("proactive_late_steps", "late steps", 1.0, "{:.0f}"),
+    ("proactive_skipped", "skipped", 1.0, "{:.0f}"),
 ]
 
-_ADAPTIVE = ("caac", "rapid", "rapid-npdg", "ipdg", "npdg", "stop-and-wait", "sr-heuristic",
+_ADAPTIVE = ("sr-paced", "caac", "rapid", "rapid-npdg", "ipdg", "ipdg-skip", "npdg", "stop-and-wait", "sr-heuristic",
              "sr-ucb", "sr-ngram") + FIXED_MODES
 
 
