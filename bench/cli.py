@@ -69,6 +69,10 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--siblings", type=click.IntRange(1, 4), default=None,
               help="Sibling width of the sr-tree mode (the draft's next-best tokens per "
               "uncertain position) [default: 2].")
+@click.option("--proactive-min-hit", type=click.FloatRange(0.0, 1.0, max_open=True),
+              default=None, help="Skip threshold of the *-skip modes (IPDG drafts ahead "
+              "only after blocks whose predicted whole-block acceptance reaches it) "
+              "[default: 0.3].")
 @click.option("--concurrent-depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None,
               help="Draft depth of the concurrent modes (default: --depth). The pipeline's "
               "best depth is lower than a single request's: the edge's one draft worker "
@@ -355,6 +359,10 @@ def _config(o: dict):
             if name.split("@")[0] == "sr-tree":
                 cfg.mode_options.setdefault(name, {}).setdefault(
                     "client", {})["siblings"] = o["siblings"]
+        for name in (cfg.modes if o.get("proactive_min_hit") is not None else ()):
+            if name.split("@")[0].endswith("-skip"):
+                cfg.mode_options.setdefault(name, {}).setdefault(
+                    "client", {})["proactive_min_hit"] = o["proactive_min_hit"]
         if any(M.get_mode(m).early_exit for m in cfg.modes):
             cfg.server_kw["early_exit"] = o["early_exit"]
         if any(getattr(M.get_mode(m), "wisv", False) for m in cfg.modes):

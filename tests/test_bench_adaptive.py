@@ -153,6 +153,31 @@ def test_cli_quick_passes_the_adaptive_settings(monkeypatch):
     assert seen[-1].mode_profiles is None and seen[-1].edge_slowdown == 2.0
 
 
+def test_cli_skip_threshold_reaches_the_skip_modes(monkeypatch):
+    from click.testing import CliRunner
+
+    from bench import harness
+    from bench.cli import bench
+    from bench.modes import get_mode
+
+    seen = []
+    monkeypatch.setattr(harness, "run_bench", lambda cfg, out_dir, progress=True, log=None:
+                        seen.append(cfg) or {"config": {}, "runs": [], "ratios": []})
+    for m in ("ipdg-skip", "sr-paced-skip"):
+        assert get_mode(m).client_kw["proactive_min_hit"] == 0.3
+    r = CliRunner().invoke(bench, ["--modes", "ipdg,ipdg-skip,sr-paced-skip",
+                                   "--proactive-min-hit", "0.4", "--out", "/tmp/x",
+                                   "--no-progress"])
+    assert r.exit_code == 0, r.output
+    opts = seen[-1].mode_options
+    assert opts["ipdg-skip"]["client"]["proactive_min_hit"] == 0.4
+    assert opts["sr-paced-skip"]["client"]["proactive_min_hit"] == 0.4
+    assert "ipdg" not in opts
+    r = CliRunner().invoke(bench, ["--modes", "ipdg-skip", "--proactive-min-hit", "1",
+                                   "--out", "/tmp/x", "--no-progress"])
+    assert r.exit_code != 0 and "proactive-min-hit" in r.output
+
+
 def test_adaptive_group_through_the_runner(tmp_path):
     """caac / fixed depths / ipdg / npdg / stop-and-wait on a link and its ``+slow``
     variant: only the variant is contended, the adaptive ratio rows are in

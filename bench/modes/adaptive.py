@@ -59,6 +59,10 @@ ADAPTIVE_MODES = [
                               "send_ahead": True, "siblings": 2}),
     _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
                    "proactive drafting)", client_kw={"proactive": "ipdg"}),
+    _adaptive_mode("sr-paced-skip", "sr-paced whose IPDG skips the branch of a block "
+                   "predicted to miss (proactive_min_hit 0.3: less edge work, fewer hits)",
+                   client_kw={"controller": "paced", "proactive": "ipdg",
+                              "send_ahead": True, "proactive_min_hit": 0.3}),
     _adaptive_mode("ipdg-skip", "specrelay, fixed depth --depth + IPDG that skips the "
                    "branch of a block predicted to miss (proactive_min_hit 0.3)",
                    client_kw={"proactive": "ipdg", "proactive_min_hit": 0.3}),
