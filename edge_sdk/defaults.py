@@ -39,4 +39,7 @@ DEFAULT_PROACTIVE = "ipdg"
 DEFAULT_PROACTIVE_MIN_HIT = 0.0
 """IPDG starts a proactive branch only when the block in flight is predicted to be
 accepted whole with at least this probability (:func:`edge_sdk.proactive.hit_chance`);
-0 drafts ahead after every block."""
+0 drafts ahead after every block. 0.3 halves the draft tokens a device discards (0.49x /
+0.45x NPDG's at depth 8 on a quiet / slowed edge) but skips blocks that were accepted
+whole after all: 0.96x / 0.90x the speed of the default on HumanEval / MT-Bench (README,
+"Sibling trees and skipped branches"), so it is off by default."""

@@ -80,8 +80,9 @@ def hit_chance(block: DraftBlock) -> float:
     """The draft's own estimate that the target accepts every token of ``block``: the
     product over its g positions of the draft probability of the drafted token
     (greedy: ``conf``, the softmax probability of the argmax; sampled: ``q_tok``,
-    ``q_i(d_i)``, a proxy for ``min(1, p_i(d_i) / q_i(d_i))``). 1.0 for an empty block;
-    None-free. Returns a float in [0, 1]."""
+    ``q_i(d_i)``, a proxy for ``min(1, p_i(d_i) / q_i(d_i))``). 1.0 for an empty block
+    and for greedy drafts without probabilities (``conf`` None, ``q_tok`` 1.0: n-gram
+    lookups), which are never skipped. Returns a float in [0, 1]."""
     probs = block.conf if block.conf is not None else [float(x) for x in block.q_tok]
     out = 1.0
     for p in probs:
