@@ -70,7 +70,8 @@ def _cpus(value: str | None) -> list[int] | None:
               help="Sibling width of the sr-tree mode (the draft's next-best tokens per "
               "uncertain position) [default: 2].")
 @click.option("--proactive-min-hit", type=click.FloatRange(0.0, 1.0, max_open=True),
-              default=None, help="Skip threshold of the *-skip modes (IPDG drafts ahead "
+              default=None, help="Skip threshold of the modes that set one (ipdg-skip, "
+              "sr-paced-skip: IPDG drafts ahead "
               "only after blocks whose predicted whole-block acceptance reaches it) "
               "[default: 0.3].")
 @click.option("--concurrent-depth", type=click.IntRange(1, MAX_DRAFT_TOKENS), default=None,
@@ -360,7 +361,7 @@ def _config(o: dict):
                 cfg.mode_options.setdefault(name, {}).setdefault(
                     "client", {})["siblings"] = o["siblings"]
         for name in (cfg.modes if o.get("proactive_min_hit") is not None else ()):
-            if name.split("@")[0].endswith("-skip"):
+            if "proactive_min_hit" in (getattr(M.get_mode(name), "client_kw", None) or {}):
                 cfg.mode_options.setdefault(name, {}).setdefault(
                     "client", {})["proactive_min_hit"] = o["proactive_min_hit"]
         if any(M.get_mode(m).early_exit for m in cfg.modes):

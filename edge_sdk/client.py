@@ -25,6 +25,7 @@ from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import PREFILL_STEPS, Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
 from edge_sdk.proactive import MODES as PROACTIVE_MODES
+from edge_sdk.proactive import SKIPPING_MODES
 from edge_sdk.protocol.limits import MAX_PROACTIVE_ROOTS
 from edge_sdk.protocol.wire import ACCEPTANCE
 from edge_sdk.results import CloudUnreachable, GenerationResult, TokenEvent
@@ -89,7 +90,9 @@ class EdgeClient:
             whole-block acceptance (:func:`edge_sdk.proactive.hit_chance`: the product
             of the draft's probabilities of its tokens) is below it: the branch would
             only be kept if the whole block were accepted. 0: never skip. Speed and
-            edge work only; the output is the target's either way.
+            edge work only; the output is the target's either way. Raises
+            ValueError: above 0 with another ``proactive`` mode (NPDG, the baseline,
+            never skips; the FSD modes draft from the early verdict).
         send_ahead: pipelined verification (needs ``proactive``; chains only, b = 1;
             None, the default: on unless ``proactive="off"``):
             a proactive block completed while the previous block is still in flight is
@@ -176,6 +179,9 @@ class EdgeClient:
             raise ValueError(f"proactive_roots must be in 1..{MAX_PROACTIVE_ROOTS}")
         if not 0.0 <= float(proactive_min_hit) < 1.0:
             raise ValueError(f"proactive_min_hit must be in [0, 1), not {proactive_min_hit!r}")
+        if proactive_min_hit and proactive not in SKIPPING_MODES:
+            raise ValueError(f"proactive_min_hit needs proactive in {SKIPPING_MODES}, "
+                             f"not {proactive!r}")
         if send_ahead is None:                      # default: on with proactive drafting
             send_ahead = proactive != "off"
         if send_ahead and proactive == "off":

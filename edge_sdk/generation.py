@@ -28,8 +28,7 @@ from edge_sdk.drafters.base import DraftBlock
 from edge_sdk.metrics import RequestMetrics
 from edge_sdk.models import encode_prompt, tokenizer_fingerprint
 from edge_sdk.offline import CloudLoss
-from edge_sdk.proactive import (EARLY_MODES, SKIPPING_MODES, Lookahead, ProactiveResult,
-                                hit_chance)
+from edge_sdk.proactive import EARLY_MODES, Lookahead, ProactiveResult, hit_chance
 from edge_sdk.protocol import rng
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.protocol.wire import ACCEPTANCE
@@ -458,8 +457,7 @@ class Generation:
         if self.c.proactive == "off" or self.target_only or self._warming is not None:
             return None
         g = len(block) if block else 0
-        if (g and self.c.proactive_min_hit > 0 and self.c.proactive in SKIPPING_MODES
-                and hit_chance(block) < self.c.proactive_min_hit):
+        if g and self.c.proactive_min_hit and hit_chance(block) < self.c.proactive_min_hit:
             self.m.proactive_skipped += 1       # a miss expected: draft nothing ahead
             return None
         plan = self._plan(True, after=g + 1)

@@ -59,6 +59,7 @@ independent ones are used. The verifier and its acceptance rule never change.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -83,11 +84,8 @@ def hit_chance(block: DraftBlock) -> float:
     ``q_i(d_i)``, a proxy for ``min(1, p_i(d_i) / q_i(d_i))``). 1.0 for an empty block
     and for greedy drafts without probabilities (``conf`` None, ``q_tok`` 1.0: n-gram
     lookups), which are never skipped. Returns a float in [0, 1]."""
-    probs = block.conf if block.conf is not None else [float(x) for x in block.q_tok]
-    out = 1.0
-    for p in probs:
-        out *= min(1.0, max(0.0, float(p)))
-    return out
+    probs = block.conf if block.conf is not None else block.q_tok.tolist()
+    return math.prod(min(1.0, max(0.0, float(p))) for p in probs)
 
 
 def guess_roots(drafter: Drafter, assumed: Sequence[int], cfg: SamplingConfig,

@@ -156,6 +156,7 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
         return run_local(prompt, kw)
     check_url(url)
     sampling_config(kw)                              # refuse bad values before any load
+    _check_drafting(kw)
     signer = Signer.from_api_key(api_key) if api_key else None
     probe_api(url, ca_cert, kw["offline_timeout"])   # fail fast, before loading models
     refused = check_key(url, signer, ca_cert)
@@ -243,6 +244,7 @@ def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
         check_wisv_options(wisv_head, None, None)
     draft = draft or default_draft(target)
     _check_models(target, draft)                     # both names, before loading either
+    _check_drafting(kw)
     if not kw["as_json"]:
         click.echo(f"loading target {target} and draft {draft} ...", err=True)
     from edge_sdk.packed import packed_default
@@ -266,6 +268,17 @@ def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
     note = "\n".join(n for n in (_untrained_note(draft), _near_tie_note(extra)) if n)
     print_result(res, kw["as_json"], f"speculative ({draft} -> {target}, {_policy(kw)}, "
                  f"signed HTTP on {srv.url})", note or None, extra)
+
+
+def _check_drafting(kw: dict) -> None:
+    """click.BadParameter (one line) for drafting options that cannot go together,
+    before any model loads: ``--proactive-min-hit`` above 0 needs ``--proactive ipdg``."""
+    from edge_sdk.proactive import SKIPPING_MODES    # torch: not at CLI start-up
+
+    proactive = kw.get("proactive", "off")
+    if kw.get("proactive_min_hit") and proactive not in SKIPPING_MODES:
+        raise click.BadParameter(f"needs --proactive ipdg, not {proactive}",
+                                 param_hint="--proactive-min-hit")
 
 
 def _check_models(target: str, draft: str) -> None:

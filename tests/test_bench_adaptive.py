@@ -90,6 +90,24 @@ def test_sdk_default_gets_generic_and_best_fixed_rows():
     assert (peer["mode"], peer["value"]) == ("sr-paced", pytest.approx(2.0))
 
 
+def test_the_sdk_default_mode_is_the_sdks_defaults():
+    # exactly one mode claims to be the SDK's default, and it drafts as EdgeClient does
+    # when given nothing (the bench's client mode adds only what the SDK leaves implicit)
+    import inspect
+
+    from bench.modes import MODES, get_mode
+    from edge_sdk import EdgeClient
+    from edge_sdk.defaults import DEFAULT_CONTROLLER, DEFAULT_PROACTIVE
+
+    flagged = [m for m in MODES if getattr(get_mode(m), "sdk_default", False)]
+    assert flagged == ["sr-paced"]
+    kw = get_mode("sr-paced").client_kw
+    assert kw == {"controller": DEFAULT_CONTROLLER, "proactive": DEFAULT_PROACTIVE,
+                  "send_ahead": True}
+    sig = inspect.signature(EdgeClient).parameters
+    assert sig["proactive_min_hit"].default == 0 and sig["siblings"].default is None
+
+
 def test_best_fixed_geomean_over_workloads():
     runs = [_run("fixed-1", "p", "a", throughput_tok_s=4.0),
             _run("fixed-2", "p", "b", throughput_tok_s=4.0),

@@ -225,7 +225,7 @@ def test_hit_chance_is_the_product_of_the_drafts_own_probabilities():
 def test_ipdg_skips_branches_of_blocks_predicted_to_miss(svc, tok, close_draft, reference):
     """min_hit: IPDG drafts ahead only after blocks whose product of draft
     probabilities reaches it; a skipped round drafts nothing proactively, and the
-    output is the target's whatever the threshold. NPDG (the baseline) never skips."""
+    output is the target's whatever the threshold."""
     m = {}
     for min_hit in (0.0, 0.5, 0.999):
         out = generate(svc, TorchDrafter(close_draft), tok, depth=6, proactive="ipdg",
@@ -238,15 +238,18 @@ def test_ipdg_skips_branches_of_blocks_predicted_to_miss(svc, tok, close_draft, 
     # a tiny random pair is never that sure of a whole block: nothing drafted ahead
     assert m[0.999]["proactive_skipped"] > 0 and m[0.999]["proactive_drafted_tokens"] == 0
     assert m[0.999]["rounds"] > 3
-    npdg = generate(svc, TorchDrafter(close_draft), tok, depth=6, proactive="npdg",
-                    proactive_min_hit=0.999).metrics
-    assert npdg["proactive_skipped"] == 0 and npdg["proactive_drafted_tokens"] > 0
 
 
-def test_min_hit_out_of_range(tok):
+def test_min_hit_out_of_range_or_without_ipdg(tok):
     for bad in (-0.1, 1.0, 2):
         with pytest.raises(ValueError, match="proactive_min_hit"):
             EdgeClient("inproc://", None, tok, proactive_min_hit=bad)
+    # NPDG (the baseline) never skips; FSD drafts from the early verdict; off drafts
+    # nothing ahead: a threshold there would be silently ignored, so it is refused
+    for mode in ("npdg", "fsd", "fsd+ipdg", "off"):
+        with pytest.raises(ValueError, match="proactive_min_hit needs"):
+            EdgeClient("inproc://", None, tok, proactive=mode, proactive_min_hit=0.3)
+    EdgeClient("inproc://", None, tok, proactive="npdg", proactive_min_hit=0.0)
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -34,6 +34,10 @@ def _adaptive_mode(name: str, description: str, baseline: bool = False, **attrs)
         "__doc__": description, **attrs}))
 
 
+_PACED = {"controller": "paced", "proactive": "ipdg", "send_ahead": True}
+"""Client options of the SDK's default policy (``edge_sdk.defaults``), spelled out so that
+a change of the defaults does not silently change what ``sr-paced`` measured."""
+
 ADAPTIVE_MODES = [
     _adaptive_mode("sr-heuristic", "specrelay, transformers' heuristic depth (+2 full "
                    "accept, -1 else)", client_kw={"controller": "heuristic"}),
@@ -47,22 +51,18 @@ ADAPTIVE_MODES = [
                    "baseline)", client_kw={"controller": "caac", "proactive": "npdg"}),
     _adaptive_mode("sr-paced", "specrelay, verdict-paced depth (round trip / draft time, "
                    "at most --depth) + IPDG + blocks sent ahead (the SDK's default)",
-                   client_kw={"controller": "paced", "proactive": "ipdg",
-                              "send_ahead": True}, sdk_default=True),
+                   client_kw=_PACED, sdk_default=True),
     _adaptive_mode("sr-paced-long", "sr-paced whose block after a miss is as deep as any "
                    "other (the ablation of the paced controller's short exposed block)",
-                   client_kw={"controller": "paced", "proactive": "ipdg",
-                              "send_ahead": True, "controller_kw": {"fresh": None}}),
+                   client_kw={**_PACED, "controller_kw": {"fresh": None}}),
     _adaptive_mode("sr-paced-tree", "sr-paced with greedy sibling trees: the draft's two "
                    "next-best tokens verified beside the positions it is least sure of",
-                   client_kw={"controller": "paced", "proactive": "ipdg",
-                              "send_ahead": True, "siblings": 2}),
+                   client_kw={**_PACED, "siblings": 2}),
     _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
                    "proactive drafting)", client_kw={"proactive": "ipdg"}),
     _adaptive_mode("sr-paced-skip", "sr-paced whose IPDG skips the branch of a block "
                    "predicted to miss (proactive_min_hit 0.3: less edge work, fewer hits)",
-                   client_kw={"controller": "paced", "proactive": "ipdg",
-                              "send_ahead": True, "proactive_min_hit": 0.3}),
+                   client_kw={**_PACED, "proactive_min_hit": 0.3}),
     _adaptive_mode("ipdg-skip", "specrelay, fixed depth --depth + IPDG that skips the "
                    "branch of a block predicted to miss (proactive_min_hit 0.3)",
                    client_kw={"proactive": "ipdg", "proactive_min_hit": 0.3}),

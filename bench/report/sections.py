@@ -24,7 +24,8 @@ _ADAPTIVE_COLS = [
     ("proactive_skipped", "skipped", 1.0, "{:.0f}"),
 ]
 
-_ADAPTIVE = ("sr-paced", "caac", "rapid", "rapid-npdg", "ipdg", "ipdg-skip", "npdg", "stop-and-wait", "sr-heuristic",
+_ADAPTIVE = ("sr-paced", "sr-paced-long", "sr-paced-tree", "sr-paced-skip", "caac", "rapid",
+             "rapid-npdg", "ipdg", "ipdg-skip", "npdg", "stop-and-wait", "sr-heuristic",
              "sr-ucb", "sr-ngram") + FIXED_MODES
 
 
