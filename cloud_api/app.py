@@ -117,7 +117,7 @@ def create_app(model, tokenizer, *, key_store=None, rate_window_s: int = 60,
             session_ttl_s, max_sessions, threads, early_head: an
             :class:`cloud_api.early_exit.ExitHead` for FSD's streamed early verdicts,
             semantic: a :class:`cloud_api.wisv.serving.SemanticAcceptance` for WISV's
-            opt-in semantic acceptance).
+            opt-in semantic acceptance, free_rows: the pass rows advertised as free).
     """
     from cloud_api.metrics import METRICS, ApiMetrics
 

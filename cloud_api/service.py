@@ -38,19 +38,24 @@ class CloudService:
     ScoringVerifier`; ``model`` may then be None: no KV cache of ours).
     ``semantic``: a :class:`cloud_api.wisv.serving.SemanticAcceptance` (WISV's
     decision head, threshold policy and per-block cap) for sessions that ask for
-    ``acceptance="semantic"``; None refuses them (422 ``semantic_unavailable``)."""
+    ``acceptance="semantic"``; None refuses them (422 ``semantic_unavailable``).
+    ``free_rows``: token rows a target pass holds at about the cost of one, advertised
+    to clients for sizing their sibling trees (None: the torch verifier's engine rule,
+    :func:`edge_sdk.models.free_pass_rows`)."""
 
     def __init__(self, model, tokenizer, *, max_block: int = MAX_DRAFT_TOKENS, max_batch: int = 8,
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
                  max_sessions: int = 256, max_sessions_per_key: int = 64,
                  kv_budget_bytes: int | None = None, threads: int | None = None,
-                 metrics=None, early_head=None, verifier=None, semantic=None):
+                 metrics=None, early_head=None, verifier=None, semantic=None,
+                 free_rows: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         if verifier is not None and semantic is not None:
             raise ValueError("semantic acceptance needs the torch verifier (hidden states)")
         if semantic is not None:                 # the token guard reads the tokenizer
             semantic.bind(tokenizer, int(model.config.vocab_size))
-        self.verifier = verifier or Verifier(model, max_block, early_head, semantic)
+        self.verifier = verifier or Verifier(model, max_block, early_head, semantic,
+                                             free_rows=free_rows)
         if metrics is not None:
             self.verifier.on_early_outcome = (
                 lambda hit: metrics.early_verdicts.labels("hit" if hit else "miss").inc())
@@ -155,9 +160,17 @@ class CloudService:
         echo = {} if m.get("prompt_ids") else {"prompt_ids": ids}
         return {**s.state(), **echo, "vocab_size": V,
                 "max_block": self.verifier.max_block, "eos_token_ids": self.eos,
-                "max_tree_rows": (self.verifier.max_tree_rows
-                                  if getattr(self.verifier, "supports_trees", False) else 0),
+                **self.tree_limits(),
                 "prefill_s": prefill_s}
+
+    def tree_limits(self) -> dict:
+        """What a session create advertises about token trees: ``max_tree_rows`` (the
+        most rows a tree may have) and ``free_rows`` (the rows a pass holds at about
+        the cost of one); both 0 on a verifier without trees."""
+        v = self.verifier
+        if not getattr(v, "supports_trees", False):
+            return {"max_tree_rows": 0, "free_rows": 0}
+        return {"max_tree_rows": v.max_tree_rows, "free_rows": v.free_rows}
 
     async def verify(self, sid: str, body: bytes, owner: str | None, charge=None,
                      on_early=None) -> bytes:

@@ -20,6 +20,7 @@ from cloud_api.early_verdict import provisional_verdict
 from cloud_api.sessions import ApiError, Session
 from cloud_api.wisv.serving import SemanticAcceptance
 from edge_sdk.kvmodel import batched_forward
+from edge_sdk.models import free_pass_rows
 from edge_sdk.protocol import rng
 from edge_sdk.protocol import sampling as S
 from edge_sdk.protocol import tree as TR
@@ -54,7 +55,10 @@ class Verifier:
 
     A greedy block may carry siblings (``VerifyRequest.alts``): its rows form a sibling
     tree (:mod:`edge_sdk.protocol.tree`) run in the same pass under a tree mask, at most
-    ``max_tree_rows`` rows; ``sibling_hits`` counts the accepted siblings.
+    ``max_tree_rows`` rows; ``sibling_hits`` counts the accepted siblings. ``free_rows``
+    (advertised to clients) is how many rows a pass holds at about the cost of one
+    (:func:`edge_sdk.models.free_pass_rows` unless given; at most ``max_tree_rows``):
+    the SDK's default tree stays within it.
 
     With ``semantic`` (WISV §III), sessions created with ``acceptance="semantic"`` may
     have mismatching drafts accepted by its decision head (:meth:`_semantic_walk`): a
@@ -68,7 +72,8 @@ class Verifier:
 
     def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS,
                  early_head: ExitHead | None = None,
-                 semantic: SemanticAcceptance | None = None, max_tree_rows: int = 40):
+                 semantic: SemanticAcceptance | None = None, max_tree_rows: int = 40,
+                 free_rows: int | None = None):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))
@@ -78,6 +83,11 @@ class Verifier:
         self.near_tie_gap = S.near_tie_gap(next(model.parameters()).dtype)
         self.near_ties = 0          # committed greedy tokens chosen at a near-tie
         self.max_tree_rows = max_tree_rows
+        if free_rows is None:
+            free_rows = free_pass_rows(model)
+        if int(free_rows) < 0:
+            raise ValueError("free_rows must be >= 0")
+        self.free_rows = min(int(free_rows), max_tree_rows)
         self.sibling_hits = 0
         self.early_head = early_head
         self.early_frames = self.early_hits = 0

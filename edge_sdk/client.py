@@ -20,7 +20,7 @@ from edge_sdk.channel import ChannelEstimator
 from edge_sdk.control import DepthController, FixedDepth, make_controller
 from edge_sdk.control.siblings import SiblingPolicy
 from edge_sdk.defaults import (DEFAULT_CONTROLLER, DEFAULT_DEPTH, DEFAULT_PROACTIVE,
-                               DEFAULT_PROACTIVE_MIN_HIT)
+                               DEFAULT_PROACTIVE_MIN_HIT, DEFAULT_SIBLINGS)
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import PREFILL_STEPS, Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
@@ -119,10 +119,14 @@ class EdgeClient:
             ``on_cloud_loss="local"`` (its ``step(ids, max_tokens, cfg, seed)`` is called
             once per round while the cloud is lost).
         siblings: greedy sibling trees (SpecInfer / Sequoia token-tree verification):
-            a :class:`edge_sdk.control.siblings.SiblingPolicy` or an int width (the
-            draft's next-best tokens at each position it is least sure of, verified in
-            the same target pass; a hit commits the sibling and its bonus token). None
-            or 0: chains only. Only used for greedy requests on a server advertising
+            the draft's next-best tokens at each position it is least sure of, verified
+            in the same target pass; a hit commits the sibling and its bonus token.
+            Default ``"auto"`` (:data:`edge_sdk.defaults.DEFAULT_SIBLINGS`): width 2
+            within the rows the server advertises as free (``free_rows``: 16 for a
+            bf16 target on an AMX CPU, 0 elsewhere, where it drafts chains); a
+            :class:`edge_sdk.control.siblings.SiblingPolicy` or an int width: trees up
+            to the policy's ``max_rows`` whatever they cost. None or 0: chains only.
+            Only used for greedy requests with exact acceptance on a server advertising
             ``max_tree_rows``; the output stays the target's greedy output.
         ssl_context: TLS context trusting the server's CA for ``https://`` (when no
             ``transport`` is given). A certificate error is raised at once
@@ -163,7 +167,7 @@ class EdgeClient:
                  on_cloud_loss: str = "wait",
                  offline_timeout_s: float = 300.0, probe_interval_s: float = 1.0,
                  ssl_context=None, local_target=None, acceptance: str = "exact",
-                 link=None, siblings=None, carry_controller: bool = True,
+                 link=None, siblings=DEFAULT_SIBLINGS, carry_controller: bool = True,
                  prefill_steps: str = "greedy"):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE}")
@@ -192,10 +196,13 @@ class EdgeClient:
         if on_cloud_loss == "local" and local_target is None:
             raise ValueError('on_cloud_loss="local" needs local_target=')
         self.local_target = local_target
-        if isinstance(siblings, int) and not isinstance(siblings, bool):
+        if siblings == "auto":
+            siblings = SiblingPolicy.auto()
+        elif isinstance(siblings, int) and not isinstance(siblings, bool):
             siblings = SiblingPolicy(width=siblings) if siblings else None
         if siblings is not None and not isinstance(siblings, SiblingPolicy):
-            raise ValueError("siblings must be a SiblingPolicy, an int width or None")
+            raise ValueError("siblings must be 'auto', a SiblingPolicy, an int width or "
+                             "None")
         self.siblings = siblings
         self.on_cloud_loss, self.offline_timeout_s = on_cloud_loss, offline_timeout_s
         self.probe_interval_s = probe_interval_s

@@ -125,18 +125,46 @@ def _gguf_cache_path(spec: ModelSpec, dtype: str = "float32") -> Path:
     return cache_dir() / "gguf" / f"{Path(spec.gguf_file).stem}-{key}{suffix}"
 
 
-def cpu_has_bf16() -> bool:
-    """True when the CPU computes bf16 matmuls natively (AMX-BF16 or AVX512-BF16 in
-    ``/proc/cpuinfo``); False elsewhere or when the flags cannot be read."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (the ``flags`` line of ``/proc/cpuinfo``); empty where
+    they cannot be read (another OS, a sandbox without ``/proc``)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bf16 matmuls natively (AMX-BF16 or AVX512-BF16 in
+    ``/proc/cpuinfo``); False elsewhere or when the flags cannot be read."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+AMX_TILE_ROWS = 16
+"""Rows of one AMX tile: oneDNN's bf16 AMX kernels compute a matmul in tiles of 16 rows,
+so a pass of 1 to 16 token rows costs about the same."""
+
+
+def free_pass_rows(model: torch.nn.Module) -> int:
+    """Token rows a target pass of ``model`` holds at about the cost of a one-row pass:
+    :data:`AMX_TILE_ROWS` (16) for a bf16 model on a CPU with AMX-BF16, else 0 (not
+    known: on AVX512-BF16 without AMX or in float32 every row costs, and a GPU's figure
+    depends on the card and the batch). Measured on a 2-core AMX Xeon, Qwen2.5-Coder-1.5B
+    in bf16 after 200 tokens, one thread: 1 row ~340 ms, 9 ~362, 16 ~367, 17 ~460
+    (``python -m bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 1,9,16,17``); on an
+    AVX512-BF16 EPYC a 7-row pass costs 1.4x a 1-row one. A verifier advertises it
+    (``free_rows``) so that a client sizes its token tree to what costs nothing."""
+    try:
+        p = next(model.parameters())
+    except (StopIteration, AttributeError, TypeError):
+        return 0
+    if p.device.type != "cpu" or p.dtype != torch.bfloat16:
+        return 0
+    return AMX_TILE_ROWS if "amx_bf16" in cpu_flags() else 0
 
 
 def default_dtype() -> str:

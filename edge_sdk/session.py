@@ -109,6 +109,7 @@ class RemoteSession:
         self.path: str | None = None          # /v1/sessions/{sid} once created
         self.siblings = None                  # a SiblingPolicy (greedy sibling trees)
         self.max_tree_rows = 0                # the cloud's tree limit (0: no trees)
+        self.free_rows = 0                    # rows a cloud pass holds for free
 
     def _body_cap(self, max_block: int) -> int:
         """``max_block`` capped, for a ``standard`` session, at the block whose full
@@ -151,6 +152,7 @@ class RemoteSession:
         self.sid, self.vocab = int(info["session_id"]), int(info["vocab_size"])
         self.max_block = self._body_cap(int(info.get("max_block", self.max_block)))
         self.max_tree_rows = int(info.get("max_tree_rows", 0))
+        self.free_rows = int(info.get("free_rows", 0))
         self.seq, self.pending = 0, None
         self._channels.clear()
         self.path = f"/v1/sessions/{self.sid}"
@@ -190,7 +192,8 @@ class RemoteSession:
         alts = None
         if (self.siblings is not None and self.params.mode == "asym"
                 and self.params.cfg.greedy and self.params.acceptance == "exact"):
-            alts = self.siblings.choose(block, self.max_tree_rows)
+            alts = self.siblings.choose(block, self.siblings.rows(self.max_tree_rows,
+                                                                  self.free_rows))
             self.m.sibling_rows += sum(len(a) for a in alts or ())
         return wire.VerifyRequest(self.sid, seq, len(tokens), self.params.cfg.config_id,
                                   pending, toks, q_tok, q_full,

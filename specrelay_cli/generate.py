@@ -8,7 +8,7 @@ import json
 
 import click
 
-from edge_sdk.defaults import DEFAULT_PROACTIVE_MIN_HIT
+from edge_sdk.defaults import DEFAULT_PROACTIVE_MIN_HIT, DEFAULT_SIBLINGS
 from specrelay_cli.options import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_CHOICE, DTYPE_HELP,
                                    SMOLLM2_DRAFT, default_draft, make_drafter,
                                    sampling_config, sampling_options)
@@ -35,7 +35,7 @@ def _client_options(kw: dict) -> dict:
                 proactive=proactive, proactive_roots=kw.get("proactive_roots", 1),
                 proactive_min_hit=kw.get("proactive_min_hit", DEFAULT_PROACTIVE_MIN_HIT),
                 send_ahead=kw.get("send_ahead", False) and proactive != "off",
-                siblings=kw.get("siblings", 0) or None,
+                siblings=kw.get("siblings", DEFAULT_SIBLINGS) or None,
                 offline_timeout_s=kw.get("offline_timeout", 300.0),
                 acceptance=kw.get("acceptance", "exact"))
 
@@ -81,7 +81,8 @@ def divergence_report(ref, res) -> dict:
 _TABLE_METRICS = ("acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_s",
                   "throughput_tok_s", "uplink_bytes_per_token", "downlink_bytes_per_token",
                   "target_passes_per_token", "target_seconds_per_token",
-                  "wasted_draft_tokens", "correction_mode_counts", "tv_budget_spent",
+                  "wasted_draft_tokens", "sibling_rows", "sibling_hits",
+                  "correction_mode_counts", "tv_budget_spent",
                   "near_tie_tokens", "semantic_accepted_tokens")
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import click
 
-from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE, DEFAULT_PROACTIVE_MIN_HIT
+from edge_sdk.defaults import (DEFAULT_DEPTH, DEFAULT_PROACTIVE, DEFAULT_PROACTIVE_MIN_HIT,
+                               DEFAULT_SIBLINGS)
 from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS, MAX_SIBLINGS
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
@@ -24,6 +25,24 @@ def default_draft(target: str | None = None) -> str:
     from edge_sdk import models
 
     return models.default_draft(target)
+
+
+class SiblingsParam(click.ParamType):
+    """``--siblings``: ``auto`` (the SDK's default: width 2 within the rows the server
+    advertises as free) or a width 0..MAX_SIBLINGS (0: chains only)."""
+
+    name = "auto|0..%d" % MAX_SIBLINGS
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or str(value).strip().lower() == "auto":
+            return value if isinstance(value, int) else "auto"
+        try:
+            width = int(value)
+        except ValueError:
+            width = -1
+        if not 0 <= width <= MAX_SIBLINGS:
+            self.fail(f"{value!r} is not 'auto' or a width in 0..{MAX_SIBLINGS}", param, ctx)
+        return width
 
 
 DTYPE_CHOICE = ["auto", "float32", "bfloat16"]
@@ -93,10 +112,12 @@ SAMPLING_OPTIONS = [
                  help="ipdg: skip drafting ahead of a block whose predicted "
                  "whole-block acceptance (product of the draft's probabilities of its "
                  "tokens) is below this; 0: never skip."),
-    click.option("--siblings", type=click.IntRange(0, MAX_SIBLINGS), default=0,
+    click.option("--siblings", type=SiblingsParam(), default=DEFAULT_SIBLINGS,
                  show_default=True, help="Greedy token trees: the draft's next-best "
                  "tokens verified beside each draft position it is least sure of, in "
-                 "the same target pass (0: chains only)."),
+                 "the same target pass. auto: 2 within the rows the server says cost "
+                 "nothing (a bf16 target on an AMX CPU), else chains; N: width N "
+                 "whatever the rows cost; 0: chains only."),
     click.option("--ngram", is_flag=True, help="Prompt-lookup n-gram drafts in front "
                  "of the model draft."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),

@@ -105,7 +105,7 @@ def semantic_note(sem) -> str:
 
 
 def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
-                  metrics_address, unauth_rpm, early_exit, wisv) -> tuple:
+                  metrics_address, unauth_rpm, early_exit, wisv, free_rows=None) -> tuple:
     """The single-server app (target loaded in this process): ``(app, the start-up
     line's early-exit and WISV notes)``. Raises click.BadParameter (--early-exit,
     --wisv-head)."""
@@ -122,7 +122,8 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
     sem = semantic_setting(target, model, wisv)
     app = create_app(target, tok, key_store=store, max_batch=max_batch,
                      max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
-                     unauth_per_window=unauth_rpm or None, early_head=head, semantic=sem)
+                     unauth_per_window=unauth_rpm or None, early_head=head, semantic=sem,
+                     free_rows=free_rows)
     return app, ((f"; early exit: layer {head.layer} ({head.name})" if head else "")
                  + semantic_note(sem))
 
@@ -219,6 +220,10 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
 @click.option("--max-wait-ms", type=click.FloatRange(min=0.0), default=0.0,
               show_default=True, help="Milliseconds a pass waits for more blocks after "
               "the first (0: verify at once with whatever has arrived).")
+@click.option("--free-rows", type=click.IntRange(min=0), default=None,
+              help="Token rows a target pass holds at about the cost of one, advertised "
+              "so that clients size their sibling trees to it (default: 16 for bf16 on "
+              "an AMX CPU, else 0: no trees unless a client asks for them).")
 @click.option("--db", "--keys-db", "keys_db", default=None,
               help="API key store, as `specrelay keys --db` (default: $SPECRELAY_KEYS_DB, "
               "else ~/.config/specrelay/keys.sqlite3).")
@@ -291,7 +296,7 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
               show_default=True, help="operators: a mismatch where the draft or the "
               "target token is an operator, comparison, boolean keyword or number "
               "stays exact; off: every mismatch goes to the head.")
-def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
+def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, free_rows, keys_db,
           insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host,
           early_exit, replicas, ray_address, backend, backend_url, backend_top_n,
           backend_model, wisv_head, wisv_strict, wisv_relaxed, wisv_max_per_block,
@@ -327,6 +332,9 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
         raise click.UsageError("--tls-cert and --tls-key go together")
     check_backend_options(backend, backend_url, backend_top_n, backend_model, replicas,
                           ray_address, early_exit, wisv_head)
+    if free_rows is not None and backend != "torch":
+        raise click.BadParameter("token trees need the torch verifier (--backend torch)",
+                                 param_hint="--free-rows")
     _check_ports(host, port, metrics_host, metrics_port)
     check_wisv_options(wisv_head, wisv_strict, wisv_relaxed)
     from cloud_api.exit_select import check_setting
@@ -350,6 +358,8 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, keys_db,
     kw = {"model": model, "dtype": dtype, "threads": threads, "max_batch": max_batch,
           "max_wait_ms": max_wait_ms, "store": store, "unauth_rpm": unauth_rpm,
           "metrics_address": metrics_address}
+    if free_rows is not None:
+        kw["free_rows"] = free_rows
     wisv = {"head": wisv_head, "strict": wisv_strict, "relaxed": wisv_relaxed,
             "max_per_block": wisv_max_per_block, "guard": wisv_guard}
     engine = None if backend == "torch" else {

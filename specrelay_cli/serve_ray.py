@@ -19,7 +19,8 @@ def _describe(ray_address: str | None, n: int, dead: int = 0) -> str:
 
 def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: int,
                      ray_address: str | None, max_batch: int, max_wait_ms: float,
-                     store, metrics_address, unauth_rpm: int) -> tuple:
+                     store, metrics_address, unauth_rpm: int,
+                     free_rows: int | None = None) -> tuple:
     """Connect to Ray (``ray_address``; None: start a local cluster), deploy (or find,
     by Serve application name) ``replicas`` replicas loading ``model`` each, and build
     the ingress app. On an existing cluster the Serve application and the shared state
@@ -41,7 +42,7 @@ def serve_replicated(*, model: str, dtype: str, threads: int | None, replicas: i
     try:
         client, info = cluster.start_replicas(
             model, replicas, num_cpus=threads or 1, dtype=dtype, threads=threads,
-            max_batch=max_batch, max_wait_s=max_wait_ms / 1000)
+            max_batch=max_batch, max_wait_s=max_wait_ms / 1000, free_rows=free_rows)
     except cluster.ReplicaMismatch as e:   # replicas found on the cluster: another model
         raise click.ClickException(str(e)) from None
     except Exception as e:   # noqa: BLE001 - a replica's load error, in one line

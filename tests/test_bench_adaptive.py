@@ -97,15 +97,18 @@ def test_the_sdk_default_mode_is_the_sdks_defaults():
 
     from bench.modes import MODES, get_mode
     from edge_sdk import EdgeClient
-    from edge_sdk.defaults import DEFAULT_CONTROLLER, DEFAULT_PROACTIVE
+    from edge_sdk.defaults import DEFAULT_CONTROLLER, DEFAULT_PROACTIVE, DEFAULT_SIBLINGS
 
     flagged = [m for m in MODES if getattr(get_mode(m), "sdk_default", False)]
     assert flagged == ["sr-paced"]
     kw = get_mode("sr-paced").client_kw
     assert kw == {"controller": DEFAULT_CONTROLLER, "proactive": DEFAULT_PROACTIVE,
-                  "send_ahead": True}
+                  "send_ahead": True, "siblings": DEFAULT_SIBLINGS}
     sig = inspect.signature(EdgeClient).parameters
-    assert sig["proactive_min_hit"].default == 0 and sig["siblings"].default is None
+    assert sig["proactive_min_hit"].default == 0
+    assert sig["siblings"].default == DEFAULT_SIBLINGS == "auto"
+    # its ablation differs in the trees alone
+    assert get_mode("sr-paced-chain").client_kw == {**kw, "siblings": 0}
 
 
 def test_best_fixed_geomean_over_workloads():

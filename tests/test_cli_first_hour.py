@@ -93,7 +93,9 @@ def test_bad_values_are_refused_before_any_model_loads():
                          (["--repetition-penalty", "0"], "--repetition-penalty"),
                          (["--proactive-min-hit", "1"], "--proactive-min-hit"),
                          (["--proactive", "npdg", "--proactive-min-hit", "0.3"],
-                          "--proactive-min-hit")]:
+                          "--proactive-min-hit"),
+                         (["--siblings", "wide"], "--siblings"),
+                         (["--siblings", "9"], "--siblings")]:
         r, dt = run("generate", "Hi", "--url", url, *args)
         assert r.exit_code == 2 and needle in r.output and dt < 2.0, (args, r.output)
     r, _ = run("generate", "", "--url", url)

@@ -77,7 +77,9 @@ def one_line_error(r) -> str:
     (["--backend", "sglang", "--backend-url", "http://x:1", "--early-exit", "12"],
      "--early-exit", "FSD early verdicts"),
     (["--backend", "sglang", "--backend-url", "http://x:1", "--wisv-head", "h.st"],
-     "--wisv-head", "semantic acceptance")])
+     "--wisv-head", "semantic acceptance"),
+    (["--backend", "sglang", "--backend-url", "http://x:1", "--free-rows", "16"],
+     "--free-rows", "token trees need the torch verifier")])
 def test_backend_misuse_is_one_line(args, hint, words):
     r = CliRunner().invoke(specrelay_cli.main, ["serve", "--insecure-no-auth", "--port",
                                                 str(free_port()), *args])

@@ -4,6 +4,7 @@ the wire field, the verifier's tree pass and cache cut, and greedy identity end 
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import numpy as np
 import pytest
@@ -176,6 +177,65 @@ def test_sibling_policy_picks_least_sure_positions():
     assert SiblingPolicy(width=1, below=0.2).choose(blk, 40) is None
     with pytest.raises(ValueError):
         SiblingPolicy(width=9)
+
+
+def test_free_rows_rule_override_and_policy_rows(target, tok, monkeypatch):
+    from cloud_api.service import CloudService
+    from edge_sdk import models
+
+    # the engine rule: 16 rows (one AMX tile) for a bf16 model on an AMX CPU, else 0
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    monkeypatch.setattr(models, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512f"}))
+    assert models.free_pass_rows(bf16) == models.AMX_TILE_ROWS == 16
+    assert models.free_pass_rows(target) == 0                      # float32: rows cost
+    monkeypatch.setattr(models, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert models.free_pass_rows(bf16) == 0                        # no AMX tiles
+    assert Verifier(target).free_rows == 0
+    assert Verifier(target, free_rows=12).free_rows == 12          # the operator's figure
+    assert Verifier(target, max_tree_rows=8, free_rows=12).free_rows == 8
+    with pytest.raises(ValueError):
+        Verifier(target, free_rows=-1)
+    svc = CloudService(target, tok, free_rows=12)
+    try:
+        assert svc.tree_limits() == {"max_tree_rows": 40, "free_rows": 12}
+        svc.verifier.supports_trees = False
+        assert svc.tree_limits() == {"max_tree_rows": 0, "free_rows": 0}
+    finally:
+        svc.executor.shutdown(wait=False)
+    # the SDK's default tree stays within the free rows; a width asked for does not
+    auto, wide = SiblingPolicy.auto(), SiblingPolicy(width=2)
+    assert auto.free_only and auto.width == 2 and not wide.free_only
+    assert [auto.rows(40, 0), auto.rows(40, 12), auto.rows(40, 32), auto.rows(8, 16)] == \
+        [0, 12, 16, 8]
+    assert [wide.rows(40, 0), wide.rows(8, 0)] == [16, 8]
+
+
+def test_auto_siblings_follow_the_servers_free_rows(target, draft, tok):
+    # EdgeClient's default (siblings="auto") draws trees only from a server that says
+    # rows are free, and the output is the target's greedy output either way
+    from cloud_api.app import create_app
+    from cloud_api.server import BackgroundServer
+    from edge_sdk.client import EdgeClient
+    from edge_sdk.drafters.torch import TorchDrafter
+
+    async def go(url, **kw):
+        async with EdgeClient(url, TorchDrafter(draft), tok, depth=5, **kw) as c:
+            assert kw or c.siblings == SiblingPolicy.auto()
+            return [await c.generate(p, max_new_tokens=24)
+                    for p in ("w2 w3 w4", "w9 w8", "w20 w21 w22 w23")]
+    outs = {}
+    for free in (0, 16):
+        with BackgroundServer(create_app(target, tok, free_rows=free)) as srv:
+            outs[free] = asyncio.run(go(srv.url))
+            if free:
+                outs["chain"] = asyncio.run(go(srv.url, siblings=0))
+    ids = {k: [r.token_ids for r in v] for k, v in outs.items()}
+    assert ids[0] == ids[16] == ids["chain"]
+    assert sum(r.metrics["sibling_rows"] for r in outs[0]) == 0
+    assert sum(r.metrics["sibling_rows"] for r in outs["chain"]) == 0
+    assert sum(r.metrics["sibling_rows"] for r in outs[16]) > 0
+    with pytest.raises(ValueError):
+        EdgeClient("http://127.0.0.1:9", TorchDrafter(draft), tok, siblings="wide")
 
 
 def test_greedy_identity_with_siblings_over_http(target, draft, tok, server):

@@ -34,7 +34,8 @@ def _adaptive_mode(name: str, description: str, baseline: bool = False, **attrs)
         "__doc__": description, **attrs}))
 
 
-_PACED = {"controller": "paced", "proactive": "ipdg", "send_ahead": True}
+_PACED = {"controller": "paced", "proactive": "ipdg", "send_ahead": True,
+          "siblings": "auto"}
 """Client options of the SDK's default policy (``edge_sdk.defaults``), spelled out so that
 a change of the defaults does not silently change what ``sr-paced`` measured."""
 
@@ -55,8 +56,11 @@ ADAPTIVE_MODES = [
     _adaptive_mode("sr-paced-long", "sr-paced whose block after a miss is as deep as any "
                    "other (the ablation of the paced controller's short exposed block)",
                    client_kw={**_PACED, "controller_kw": {"fresh": None}}),
-    _adaptive_mode("sr-paced-tree", "sr-paced with greedy sibling trees: the draft's two "
-                   "next-best tokens verified beside the positions it is least sure of",
+    _adaptive_mode("sr-paced-chain", "sr-paced drafting chains only (the ablation of "
+                   "the default's sibling trees within the server's free rows)",
+                   client_kw={**_PACED, "siblings": 0}),
+    _adaptive_mode("sr-paced-tree", "sr-paced with greedy sibling trees of width 2 up to "
+                   "16 rows whatever the server's free rows",
                    client_kw={**_PACED, "siblings": 2}),
     _adaptive_mode("ipdg", "specrelay, fixed depth --depth + IPDG (interruptible "
                    "proactive drafting)", client_kw={"proactive": "ipdg"}),

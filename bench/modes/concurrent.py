@@ -87,7 +87,8 @@ class ConcurrentMode(BenchMode):
         from edge_sdk.client import EdgeClient
 
         c = self.ctx
-        kw = {"depth": c.depth, "proactive": "off", "controller": "fixed", **self.client_kw,
+        kw = {"depth": c.depth, "proactive": "off", "controller": "fixed", "siblings": 0,
+              **self.client_kw,
               **extra, **c.options.get("client", {})}
         return EdgeClient(c.base_url, drafter, c.tokenizer, signer=c.signer, chat=False,
                           transport=TaggingTransport(c.base_url, signer=c.signer),

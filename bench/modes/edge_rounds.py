@@ -36,8 +36,9 @@ class EdgeClientMode(BenchMode):
         from edge_sdk.control import make_controller
 
         c = self.ctx
-        # a mode that names no proactive drafting is stop-and-wait (not the SDK default)
-        kw = {"proactive": "off", "controller": "fixed", **self.client_kw,
+        # a mode that names no proactive drafting is stop-and-wait, and one that names
+        # no trees drafts chains (not the SDK's defaults)
+        kw = {"proactive": "off", "controller": "fixed", "siblings": 0, **self.client_kw,
               **c.options.get("client", {})}
         if self.link_from_profile:        # the channel state a semantic session reports
             kw.setdefault("link", c.profile)

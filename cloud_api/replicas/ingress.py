@@ -8,9 +8,9 @@ a streamed verify request (``Accept: application/x-msgpack-seq``) gets the final
 verdict alone, in the streamed content type (the early item is optional); the
 target-only stream ``POST /v1/sessions/{id}/generate`` answers 501 ``not_supported``;
 ``max_sessions_per_key`` applies per replica. Everything else is the replica's own
-answer, passed through: a session create advertises the replica's ``max_tree_rows``,
-a verify body's sibling ``alts`` and the ``sibling`` verdict cross unchanged (sibling
-trees work through the ingress as on one server).
+answer, passed through: a session create advertises the replica's ``max_tree_rows``
+and ``free_rows``, a verify body's sibling ``alts`` and the ``sibling`` verdict cross
+unchanged (sibling trees work through the ingress as on one server).
 """
 
 from __future__ import annotations

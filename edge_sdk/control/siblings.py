@@ -35,11 +35,28 @@ class SiblingPolicy:
     qwen2.5-coder-1.5b bfloat16 1,9,13,16,17,25``), so a depth-8 block carries up to 7
     sibling rows at no extra pass cost.
 
+    ``free_only``: stay within the rows the server advertises as free (``free_rows``:
+    a pass of that many rows costs about what one row does; 0 where the server does
+    not know, e.g. float32 or a CPU without AMX, where every row costs): the SDK's
+    default (:meth:`auto`), so that a tree never makes a pass dearer.
+
     Raises ValueError on a width outside 1..MAX_SIBLINGS or a bad threshold."""
 
     width: int = 2
     below: float = 0.8
     max_rows: int = 16
+    free_only: bool = False
+
+    @classmethod
+    def auto(cls) -> "SiblingPolicy":
+        """The SDK's default tree: width 2 within the server's free rows."""
+        return cls(width=2, free_only=True)
+
+    def rows(self, max_tree_rows: int, free_rows: int) -> int:
+        """The rows this policy's tree may fill on a server advertising
+        ``max_tree_rows`` (its limit) and ``free_rows`` (what costs nothing)."""
+        cap = min(self.max_rows, int(max_tree_rows))
+        return min(cap, int(free_rows)) if self.free_only else cap
 
     def __post_init__(self):
         if not 1 <= self.width <= MAX_SIBLINGS:
