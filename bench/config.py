@@ -105,23 +105,24 @@ QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PE
              workloads=["humaneval"],
              sampling=["greedy"], prompts=4, max_new_tokens=32, concurrency=[8],
              concurrent_profiles=["weak"], concurrent_workloads=["humaneval"],
-             concurrent_max_new_tokens=16, concurrent_depth=1,
+             concurrent_max_new_tokens=32, concurrent_depth=1,
              edge_slowdown=3.0, slowdown_at_s=3.0,
              mode_profiles={**{m: ["medium"] for m in _QUICK_BASIC + _QUICK_PEERS},
                             **{m: ["medium", "medium+slow"]
                                for m in _QUICK_ADAPTIVE + _QUICK_PROACTIVE}},
              mode_workloads=None)
 """``--quick`` settings (the default pair; 4 greedy HumanEval prompts x 32 tokens per
-cell; 9.8 minutes measured on a 2-core EPYC at depth 8, 13.9 on a 2-core AMX Xeon). The
+cell; 9.8 minutes measured on a 2-core EPYC at depth 8, 16.8 on a 2-core AMX Xeon). The
 target alone (``cloud-ar``), ``standard-sd`` and the llama.cpp peers on ``medium``; the
 SDK's default (``sr-paced``: the paced depth + IPDG + blocks sent ahead), CAAC, fixed
 depths 3 and 5, and IPDG (also skipping branches predicted to miss: ``ipdg-skip``) /
 NPDG / stop-and-wait (at ``--depth``), on ``medium`` and
 ``medium+slow`` (3x slower draft forwards from 3 s into each run: where a verdict can
 arrive while a proactive branch is still being drafted, so IPDG's interruption acts);
-the confirmed-prefix pipeline and its baselines at 8 concurrent requests x 16 tokens,
-depth 1, on ``weak``. Ratio rows: uplink vs standard-sd and throughput vs cloud-ar (the
-SDK's default), sr-paced and caac vs best-fixed, ipdg and ipdg-skip vs npdg /
-stop-and-wait, pipeline
-vs the strongest baseline, and each peer's speculative gain. ``specrelay`` (stop-and-wait
-at ``--depth``) is the ``stop-and-wait`` row here: the same client, not run twice."""
+the confirmed-prefix pipeline and its baselines at 8 concurrent requests x 32 tokens
+(16 before 2026-12-06: the 8 prompts' prefills, ~9 s of one cloud core for every mode,
+were half the makespan), depth 1, on ``weak``. Ratio rows: uplink vs standard-sd and
+throughput vs cloud-ar (the SDK's default), sr-paced and caac vs best-fixed, ipdg and
+ipdg-skip vs npdg / stop-and-wait, pipeline vs the strongest baseline, and each peer's
+speculative gain. ``specrelay`` (stop-and-wait at ``--depth``) is the ``stop-and-wait``
+row here: the same client, not run twice."""

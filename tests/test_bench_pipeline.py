@@ -287,7 +287,7 @@ def test_cli_quick_config(monkeypatch):
     assert {"pipeline", *CONCURRENT_BASELINES} <= set(cfg.modes)
     assert cfg.concurrency == [8]
     assert cfg.concurrent_profiles == QUICK["concurrent_profiles"]
-    assert cfg.concurrent_max_new_tokens == 16 and cfg.max_new_tokens == QUICK["max_new_tokens"]
+    assert cfg.concurrent_max_new_tokens == 32 and cfg.max_new_tokens == QUICK["max_new_tokens"]
     assert cfg.concurrent_depth == 1 and cfg.depth == 8
     r = CliRunner().invoke(bench, ["--quick", "--profiles", "lan", "--concurrency", "1,16",
                                    "--max-new-tokens", "5", "--out", "/tmp/x"])
