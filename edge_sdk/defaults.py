@@ -1,20 +1,22 @@
 """The edge's default drafting policy: one definition, read by :class:`EdgeClient`, the
 CLI (``generate``, ``demo``, ``edge-serve``, ``bench``), the OpenAI-compatible edge app
 and the examples, so an app that embeds the SDK drafts as the benchmark's fastest
-single-request mode does.
+single-request mode does: the bench mode ``sr-paced`` on the default pair
+(Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B, 1 edge core + 1 cloud core).
 
-That mode is ``sr-ahead@8`` on the default pair (Qwen2.5-Coder-0.5B drafting for
-Qwen2.5-Coder-1.5B, 1 edge core + 1 cloud core): draft depth 8,
-interruptible proactive drafting (RAPID's IPDG: the next block is drafted while the
-current one is verified) and pipelined verification (a proactive block is sent before
-the previous verdict, PipeSpec-style). At depth 8 IPDG's TPOT is 1.25x better than
-stop-and-wait's on ``medium`` (1.03-1.06x with the edge's drafts 3x slower). Depth 8
-against depth 6 (geomean of chat and code, vs the target alone in the same run): 1.77x / 1.73x on an AMX Xeon, and on an AVX-512-BF16
-EPYC 1.91x / 1.79x and 2.00x / 1.92x on ``medium``, 1.74x / 1.67x on ``weak``, 1.69x /
+Its pieces: blocks of at most depth 8, as deep as one verification round trip hides
+(:data:`DEFAULT_CONTROLLER`); interruptible proactive drafting (RAPID's IPDG: the next
+block is drafted while the current one is verified) with pipelined verification (a
+proactive block is sent before the previous verdict, PipeSpec-style); greedy sibling
+trees within the rows the server says a pass holds for free
+(:data:`DEFAULT_SIBLINGS`). On an AMX Xeon, 8 + 8 prompts x 64 tokens: 3.28x / 2.57x the
+target alone (HumanEval / MT-Bench), 1.30x / 1.00x llama.cpp's best mode on both cores
+(README, "Where it stands"). Depth 8 against depth 6 (geomean of chat and code, vs the
+target alone in the same run): 1.77x / 1.73x on an AMX Xeon, and on an AVX-512-BF16 EPYC
+1.91x / 1.79x and 2.00x / 1.92x on ``medium``, 1.74x / 1.67x on ``weak``, 1.69x /
 1.58x on ``cellular-edge``; depth 12 is slower (1.60x on the Xeon). The output is the
 target's whatever the policy: these are speed settings only; ``proactive="off"`` spends
-no edge compute on blocks a miss discards. On a busy device the depth follows the
-draft's speed (:data:`DEFAULT_CONTROLLER`).
+no edge compute on blocks a miss discards.
 """
 
 DEFAULT_DEPTH = 8
@@ -49,6 +51,7 @@ DEFAULT_SIBLINGS = "auto"
 the positions it is least sure of, within the rows the server advertises as free
 (``free_rows``: 16 for a bf16 target on an AMX CPU, where a pass of 16 rows costs what
 one does; 0 elsewhere, where the client drafts chains). On the AMX Xeon, 8 + 8 prompts
-x 64 tokens, against chains in the same run (HumanEval / MT-Bench): 1.05x / 1.04x,
-1.04x / 1.08x and 1.03x / 0.98x the rate in three runs, 6-7 % fewer target passes per
+x 64 tokens, against chains in the same run (HumanEval / MT-Bench): 1.055x / 1.063x
+with this default (3.28x / 2.57x the target alone), and 1.05x / 1.04x, 1.04x / 1.08x,
+1.03x / 0.98x with ``siblings=2`` in three earlier runs; 6-8 % fewer target passes per
 token in each (README, "Sibling trees by default")."""

@@ -157,7 +157,9 @@ def free_pass_rows(model: torch.nn.Module) -> int:
     in bf16 after 200 tokens, one thread: 1 row ~340 ms, 9 ~362, 16 ~367, 17 ~460
     (``python -m bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 1,9,16,17``); on an
     AVX512-BF16 EPYC a 7-row pass costs 1.4x a 1-row one. A verifier advertises it
-    (``free_rows``) so that a client sizes its token tree to what costs nothing."""
+    (``free_rows``) so that a client sizes its token tree to what costs nothing. It is
+    a per-block figure: a pass that batches several sessions' blocks pays for the rows
+    they hold together beyond it."""
     try:
         p = next(model.parameters())
     except (StopIteration, AttributeError, TypeError):
