@@ -160,10 +160,7 @@ def free_pass_rows(model: torch.nn.Module) -> int:
     (``free_rows``) so that a client sizes its token tree to what costs nothing. It is
     a per-block figure: a pass that batches several sessions' blocks pays for the rows
     they hold together beyond it."""
-    try:
-        p = next(model.parameters())
-    except (StopIteration, AttributeError, TypeError):
-        return 0
+    p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.bfloat16:
         return 0
     return AMX_TILE_ROWS if "amx_bf16" in cpu_flags() else 0

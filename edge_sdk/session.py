@@ -192,8 +192,8 @@ class RemoteSession:
         alts = None
         if (self.siblings is not None and self.params.mode == "asym"
                 and self.params.cfg.greedy and self.params.acceptance == "exact"):
-            alts = self.siblings.choose(block, self.siblings.rows(self.max_tree_rows,
-                                                                  self.free_rows))
+            alts = self.siblings.choose(block, self.siblings.server_rows(
+                self.max_tree_rows, self.free_rows))
             self.m.sibling_rows += sum(len(a) for a in alts or ())
         return wire.VerifyRequest(self.sid, seq, len(tokens), self.params.cfg.config_id,
                                   pending, toks, q_tok, q_full,

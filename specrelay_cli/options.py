@@ -34,15 +34,12 @@ class SiblingsParam(click.ParamType):
     name = "auto|0..%d" % MAX_SIBLINGS
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or str(value).strip().lower() == "auto":
-            return value if isinstance(value, int) else "auto"
-        try:
-            width = int(value)
-        except ValueError:
-            width = -1
-        if not 0 <= width <= MAX_SIBLINGS:
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        if not (text.isdigit() and int(text) <= MAX_SIBLINGS):
             self.fail(f"{value!r} is not 'auto' or a width in 0..{MAX_SIBLINGS}", param, ctx)
-        return width
+        return int(text)
 
 
 DTYPE_CHOICE = ["auto", "float32", "bfloat16"]

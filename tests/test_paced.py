@@ -133,3 +133,26 @@ def test_the_exposed_block_model_trades_passes_for_rate():
     two = simulate(0.9, 0.038, 0.30, 0.025, 8, 2, tokens=8000)
     assert four[0] > 1.03 * full[0]
     assert full[1] < four[1] < two[1]
+
+
+def test_round_pacing_reads_cycles_and_exposed_drafting_from_traces():
+    """bench.probes.round_pacing: per (mode, profile, workload) the medians of a
+    request's round cycle and its parts, and the seconds drafted with nothing in flight
+    (positive verdict -> next send gaps; a block sent ahead has a negative one)."""
+    from bench.probes.round_pacing import cycles, pacing
+
+    def rnd(send, resp, depth=4, proactive=False, ready=None, steps=None):
+        return {"t_send": send, "t_response": resp, "depth": depth,
+                "proactive_block": proactive, "t_ready": ready, "proactive_steps": steps}
+    trace = [rnd(1.0, 1.4, ready=1.3, steps=4), rnd(1.3, 1.8, proactive=True),
+             rnd(2.0, 2.4), rnd(2.5, 2.9)]
+    rows = [{"mode": "m", "profile": "p", "workload": "w",
+             "metrics": {"wall_s": 3.0, "ttft_s": 0.5, "round_trace": trace}}]
+    (c,) = cycles(rows).values()
+    assert c["rounds"] == 3 and c["decode_s"] == 2.5
+    assert c["cycle_s"] == 0.5                           # 0.4, 0.6, 0.5
+    assert c["send_to_verdict_s"] == 0.4                 # 0.5, 0.4, 0.4
+    assert c["verdict_to_send_s"] == 0.1                 # -0.1 (sent ahead), 0.2, 0.1
+    assert c["exposed_drafting_s"] == 0.3                # 0.2 + 0.1
+    (p,) = pacing(rows).values()
+    assert p["T_s"] == 0.4 and p["tau_s"] == 0.075       # (1.3 - 1.0) / 4

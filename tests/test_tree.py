@@ -205,9 +205,14 @@ def test_free_rows_rule_override_and_policy_rows(target, tok, monkeypatch):
     # the SDK's default tree stays within the free rows; a width asked for does not
     auto, wide = SiblingPolicy.auto(), SiblingPolicy(width=2)
     assert auto.free_only and auto.width == 2 and not wide.free_only
-    assert [auto.rows(40, 0), auto.rows(40, 12), auto.rows(40, 32), auto.rows(8, 16)] == \
-        [0, 12, 16, 8]
-    assert [wide.rows(40, 0), wide.rows(8, 0)] == [16, 8]
+    assert [auto.server_rows(40, 0), auto.server_rows(40, 12), auto.server_rows(8, 16)] \
+        == [0, 12, 8]
+    assert [wide.server_rows(40, 0), wide.server_rows(8, 0)] == [40, 8]
+    blk = DraftBlock([4, 5, 6, 7], torch.ones(4, dtype=torch.float64), None, 0.0,
+                     [[10, 11], [13, 14], [16, 17], [19, 20]], [0.5, 0.3, 0.6, 0.5])
+    assert auto.choose(blk, auto.server_rows(40, 0)) is None       # nothing free: chains
+    assert auto.choose(blk, auto.server_rows(40, 7)) == [[], [13, 14], [], []]   # 5 + 2
+    assert wide.choose(blk, wide.server_rows(40, 0)) == [[10, 11], [13, 14], [16, 17], []]
 
 
 def test_auto_siblings_follow_the_servers_free_rows(target, draft, tok):

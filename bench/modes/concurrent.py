@@ -7,6 +7,7 @@ shared draft worker, reported under the profile label ``<profile>@c<C>``
 * ``no-pipeline``, ``runahead`` (NPDG), ``standard-sd-concurrent`` — the baselines:
   requests run independently, no cross-request re-batching;
 * ``pipeline-standard`` — ablation: the pipeline with the full-q standard protocol.
+* ``pipeline-ipdg`` — ablation: the pipeline whose requests also draft ahead (IPDG).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from bench.modes.measure import REQUEST_CALLS, HttpCall, TaggingTransport, break
 from bench.modes.registry import register_mode
 
 __all__ = ["BusyExecutor", "ConcurrentMode", "PipelineMode", "NoPipelineMode",
-           "RunaheadMode", "StandardSDConcurrentMode", "PipelineStandardMode"]
+           "RunaheadMode", "StandardSDConcurrentMode", "PipelineStandardMode",
+           "PipelineAheadMode"]
 
 
 class BusyExecutor(ThreadPoolExecutor):
@@ -298,3 +300,17 @@ class PipelineStandardMode(PipelineMode):
                    "re-batching, max batch >= C)")
     baseline = False
     client_mode = "standard"
+
+
+@register_mode
+class PipelineAheadMode(PipelineMode):
+    """Ablation: the confirmed-prefix pipeline whose requests also draft ahead (RAPID's
+    IPDG: the next block drafted on the assumed full acceptance while the current one is
+    verified, sent before the verdict): the proactive steps share the one draft worker
+    with the other requests' confirmed-prefix grants. Not a baseline."""
+
+    name = "pipeline-ipdg"
+    description = ("ablation: the pipeline + IPDG with blocks sent ahead (proactive steps "
+                   "on the shared draft worker)")
+    baseline = False
+    client_kw = {"proactive": "ipdg", "send_ahead": True}

@@ -1,9 +1,16 @@
-"""What the paced depth reads from a bench run: per (mode, profile), the median send ->
-verdict seconds ``T`` of blocks not drafted proactively and the median seconds per
-proactive draft step ``tau`` (``t_ready - t_send`` over the steps drafted while a block
-was verified), from the round traces of a ``requests.jsonl``, and ``T / tau``.
+"""What the round traces of a bench run say about its pacing, from a ``requests.jsonl``.
 
     python -m bench.probes.round_pacing docs/figures/experiments/redraft-steps/requests.jsonl
+
+1. What the paced depth reads, per (mode, profile): the median send -> verdict seconds
+   ``T`` of blocks not drafted proactively, the median seconds per proactive draft step
+   ``tau`` (``t_ready - t_send`` over the steps drafted while a block was verified), and
+   ``T / tau``.
+2. Where a request's decode time goes, per (mode, profile, workload), over consecutive
+   rounds: the medians of the cycle (verdict to next verdict), of send -> verdict and of
+   verdict -> next send, and the seconds the edge drafted with nothing in flight (the
+   sum of the positive verdict -> next send gaps: the cloud idles unless other requests
+   keep it busy) against the decode seconds (wall time less TTFT).
 """
 
 from __future__ import annotations
@@ -13,8 +20,13 @@ import statistics
 import sys
 
 
-def main(path: str) -> dict:
-    rows = [json.loads(line) for line in open(path)]
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def pacing(rows: list[dict]) -> dict:
+    """Part 1 (see the module docstring), keyed ``mode|profile``."""
     out = {}
     for key in sorted({(r["mode"], r["profile"]) for r in rows}):
         T, tau = [], []
@@ -30,8 +42,47 @@ def main(path: str) -> dict:
             m_T, m_tau = statistics.median(T), statistics.median(tau)
             out["|".join(key)] = {"T_s": round(m_T, 3), "tau_s": round(m_tau, 4),
                                   "T_over_tau": round(m_T / m_tau, 2)}
-            print(f"{key[0]:>16} {key[1]:>12}: T {m_T * 1e3:6.1f} ms, tau "
-                  f"{m_tau * 1e3:5.1f} ms, T/tau {m_T / m_tau:4.1f}")
+    return out
+
+
+def cycles(rows: list[dict]) -> dict:
+    """Part 2 (see the module docstring), keyed ``mode|profile|workload``; seconds."""
+    out = {}
+    for key in sorted({(r["mode"], r["profile"], r["workload"]) for r in rows}):
+        cyc, flight, gap, exposed, decode = [], [], [], 0.0, 0.0
+        for r in rows:
+            if (r["mode"], r["profile"], r["workload"]) != key:
+                continue
+            m = r["metrics"]
+            decode += m["wall_s"] - m["ttft_s"]
+            tr = m.get("round_trace", [])
+            for a, b in zip(tr, tr[1:]):
+                cyc.append(b["t_response"] - a["t_response"])
+                flight.append(b["t_response"] - b["t_send"])
+                gap.append(b["t_send"] - a["t_response"])
+                exposed += max(0.0, gap[-1])
+        if cyc:
+            out["|".join(key)] = {
+                "rounds": len(cyc), "cycle_s": round(statistics.median(cyc), 3),
+                "send_to_verdict_s": round(statistics.median(flight), 3),
+                "verdict_to_send_s": round(statistics.median(gap), 3),
+                "exposed_drafting_s": round(exposed, 1), "decode_s": round(decode, 1)}
+    return out
+
+
+def main(path: str) -> dict:
+    rows = _rows(path)
+    out = {"pacing": pacing(rows), "cycles": cycles(rows)}
+    for key, v in out["pacing"].items():
+        print(f"{key:>30}: T {v['T_s'] * 1e3:6.1f} ms, tau {v['tau_s'] * 1e3:5.1f} ms, "
+              f"T/tau {v['T_over_tau']:4.1f}")
+    for key, v in out["cycles"].items():
+        print(f"{key:>40}: medians over {v['rounds']} rounds: cycle "
+              f"{v['cycle_s'] * 1e3:5.0f} ms, verdict->send "
+              f"{v['verdict_to_send_s'] * 1e3:5.0f}, send->verdict "
+              f"{v['send_to_verdict_s'] * 1e3:5.0f}; "
+              f"drafting with nothing in flight {v['exposed_drafting_s']:.1f} of "
+              f"{v['decode_s']:.1f} s of decode")
     print(json.dumps(out))
     return out
 

@@ -46,7 +46,7 @@ from bench.report.schema import is_num
 
 __all__ = [
     "ratio_row", "run_index", "compute_ratios", "ratio_specs", "BEST_FIXED", "FIXED_MODES",
-    "best_fixed", "adaptive_ratios", "CONCURRENT_BASELINES", "STRONGEST",
+    "mode_flag", "best_fixed", "adaptive_ratios", "CONCURRENT_BASELINES", "STRONGEST",
     "strongest_baselines", "pipeline_ratios", "BEST_PEER", "best_peer", "peer_ratios",
 ]
 
@@ -163,7 +163,9 @@ def ratio_specs(modes: Sequence[str]) -> list[tuple[str, str, str, bool]]:
 # --------------------------------------------------------------------------- peers
 
 
-def _flag(mode: str, attr: str) -> bool:
+def mode_flag(mode: str, attr: str) -> bool:
+    """The registered mode's class attribute ``attr`` as a bool; False for a mode this
+    build does not know."""
     from bench.modes import get_mode
 
     try:
@@ -175,7 +177,7 @@ def _flag(mode: str, attr: str) -> bool:
 def _generic(mode: str) -> bool:
     """Whether ``mode`` gets the generic rows: not an adaptive-drafting mode, or the
     SDK's default one."""
-    return not _flag(mode, "adaptive") or _flag(mode, "sdk_default")
+    return not mode_flag(mode, "adaptive") or mode_flag(mode, "sdk_default")
 
 
 def _best_by_cell(runs: Sequence[dict], metric: str, keep) -> dict[str, dict]:
@@ -204,7 +206,7 @@ def best_peer(runs: Sequence[dict], metric: str = "throughput_tok_s") -> dict[st
     """``{"profile|workload": {"mode", "value"}}``: the peer engine mode
     (:mod:`bench.modes.peers`) with the highest ``metric`` at every (profile label,
     workload) where one ran."""
-    return _best_by_cell(runs, metric, lambda mode: _flag(mode, "peer"))
+    return _best_by_cell(runs, metric, lambda mode: mode_flag(mode, "peer"))
 
 
 def peer_ratios(runs: Sequence[dict]) -> list[dict]:
@@ -216,7 +218,7 @@ def peer_ratios(runs: Sequence[dict]) -> list[dict]:
     if not best:
         return []
     ours = [m for m in dict.fromkeys(mode for mode, _, _ in idx)
-            if _generic(m) and not any(_flag(m, a) for a in ("peer", "baseline"))]
+            if _generic(m) and not any(mode_flag(m, a) for a in ("peer", "baseline"))]
     rows = [ratio_row(idx, prof, workloads, "throughput_tok_s", m, BEST_PEER, True,
                       _value_of(best)) for m in ours for prof in profiles]
     return [r for r in rows if r is not None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.report.labels import split_point
-from bench.report.ratios import FIXED_MODES, run_index
+from bench.report.ratios import mode_flag, run_index
 from bench.report.tables import runs_table
 
 __all__ = ["adaptive_md", "concurrent_md", "peers_md"]
@@ -24,17 +24,14 @@ _ADAPTIVE_COLS = [
     ("proactive_skipped", "skipped", 1.0, "{:.0f}"),
 ]
 
-_ADAPTIVE = ("sr-paced", "sr-paced-long", "sr-paced-tree", "sr-paced-skip", "caac", "rapid",
-             "rapid-npdg", "ipdg", "ipdg-skip", "npdg", "stop-and-wait", "sr-heuristic",
-             "sr-ucb", "sr-ngram") + FIXED_MODES
-
 
 def adaptive_md(results: dict) -> str:
-    """Markdown for summary.md: the adaptive modes' depth, waste and proactive timing,
+    """Markdown for summary.md: the adaptive modes' (``adaptive`` on the mode: depth
+    controllers, proactive drafting, fixed depths) depth, waste and proactive timing,
     and the best fixed depth per cell."""
     bf = results.get("config", {}).get("best_fixed") or {}
     return _section(
-        [r for r in results["runs"] if r["mode"] in _ADAPTIVE], _ADAPTIVE_COLS,
+        [r for r in results["runs"] if mode_flag(r["mode"], "adaptive")], _ADAPTIVE_COLS,
         "Adaptive drafting (depth control, proactive drafting)",
         "profile `X+slow` = link X with the edge slowdown of the run config "
         "(`edge_slowdown` from `slowdown_at_s` into each run). ready−resp = median "

@@ -52,11 +52,11 @@ class SiblingPolicy:
         """The SDK's default tree: width 2 within the server's free rows."""
         return cls(width=2, free_only=True)
 
-    def rows(self, max_tree_rows: int, free_rows: int) -> int:
-        """The rows this policy's tree may fill on a server advertising
-        ``max_tree_rows`` (its limit) and ``free_rows`` (what costs nothing)."""
-        cap = min(self.max_rows, int(max_tree_rows))
-        return min(cap, int(free_rows)) if self.free_only else cap
+    def server_rows(self, max_tree_rows: int, free_rows: int) -> int:
+        """The server's side of the row budget :meth:`choose` takes: its limit
+        ``max_tree_rows``, or with ``free_only`` the rows it says cost nothing
+        (``free_rows``) within it."""
+        return min(max_tree_rows, free_rows) if self.free_only else max_tree_rows
 
     def __post_init__(self):
         if not 1 <= self.width <= MAX_SIBLINGS:
