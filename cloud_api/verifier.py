@@ -44,7 +44,8 @@ class Verifier:
     """Verifies blocks against the target model.
 
     ``verify_batch`` takes a list of (session, request) pairs (a batching front end
-    hands over whatever has arrived) and runs them in one padded target pass; each pair
+    hands over whatever has arrived) and runs them in one target pass (the sessions' rows
+    packed, each attending to its own KV cache: :mod:`edge_sdk.row_attention`); each pair
     is answered on its own. ``passes`` counts target passes (a batch counts once).
 
     With an ``early_head`` (FSD), a block whose caller passed a sink gets a provisional
@@ -62,8 +63,8 @@ class Verifier:
 
     With ``semantic`` (WISV §III), sessions created with ``acceptance="semantic"`` may
     have mismatching drafts accepted by its decision head (:meth:`_semantic_walk`): a
-    forward pre-hook on the LM head keeps the target's last hidden state [B, T, H] of
-    a pass that holds such a row (registered for that pass only); ``semantic_accepted``
+    forward pre-hook on the LM head keeps the target's last hidden state [1, sum T_b, H]
+    (rows packed) of a pass that holds such a row (registered for that pass only); ``semantic_accepted``
     counts the tokens accepted that way. Exact sessions are decided by the exact rule
     alone, whatever ``semantic`` is.
     """
@@ -99,7 +100,7 @@ class Verifier:
                 self._exit_hook)
         self.semantic = semantic
         self.semantic_accepted = 0      # tokens accepted semantically (WISV)
-        self._hidden: torch.Tensor | None = None    # [B, T, H] of a semantic pass
+        self._hidden: torch.Tensor | None = None    # [1, sum T_b, H] of a semantic pass
         if semantic is not None:
             hid = int(model.config.hidden_size)
             if semantic.hidden_size != hid:
@@ -115,8 +116,8 @@ class Verifier:
         return time.perf_counter() - t0
 
     def verify_batch(self, items: list[tuple[Session, VerifyRequest]], sinks=None):
-        """Verify blocks of different sessions in ONE batched target pass (rows padded
-        to a common length, each session's own KV cache). Returns one VerifyResponse or
+        """Verify blocks of different sessions in ONE batched target pass (rows packed,
+        each attending to its own KV cache). Returns one VerifyResponse or
         ApiError per item, in order; each session ends at its own confirmed prefix.
         ``sinks``: per item a callable taking the block's EarlyVerdict (called on the
         target thread, mid-pass), or None."""
@@ -129,11 +130,15 @@ class Verifier:
         t0 = time.perf_counter()
         for _, s, _, context, _ in ready:
             s.kv.align(context[:-1])
-        wants = [(b, *row, sinks[row[0]]) for b, row in enumerate(ready)
-                 if sinks is not None and sinks[row[0]] is not None]
-        self._early = (time.perf_counter(), wants) if wants and self.early_head else None
         trees = [TR.layout(len(blk), req.alts) if req.alts else None
                  for _, _, req, _, blk in ready]
+        rows = [[ctx[-1]] + blk + ([t for _, t, _ in tr.sib_rows] if tr else [])
+                for (*_, ctx, blk), tr in zip(ready, trees)]
+        # the pass packs the rows one after another: row b's hidden states start here
+        starts = [sum(len(r) for r in rows[:b]) for b in range(len(rows))]
+        wants = [(starts[b], *row, sinks[row[0]]) for b, row in enumerate(ready)
+                 if sinks is not None and sinks[row[0]] is not None]
+        self._early = (time.perf_counter(), wants) if wants and self.early_head else None
         hook = None
         if self.semantic is not None and any(s.acceptance == "semantic"
                                              for _, s, *_ in ready):
@@ -141,11 +146,8 @@ class Verifier:
                 self._hidden_hook)
         self._hidden = None
         try:
-            logits = batched_forward(
-                [s.kv for _, s, *_ in ready],
-                [[ctx[-1]] + blk + ([t for _, t, _ in tr.sib_rows] if tr else [])
-                 for (*_, ctx, blk), tr in zip(ready, trees)],
-                trees if any(trees) else None)
+            logits = batched_forward([s.kv for _, s, *_ in ready], rows,
+                                     trees if any(trees) else None)
         finally:
             self._early = None
             if hook is not None:
@@ -155,7 +157,7 @@ class Verifier:
         self.passes += 1
         for b, ((i, s, req, context, block), lg, tr) in enumerate(
                 zip(ready, logits, trees)):
-            h = (hidden[b, :len(block) + 1] if hidden is not None
+            h = (hidden[0, starts[b]:starts[b] + len(block) + 1] if hidden is not None
                  and s.acceptance == "semantic" else None)
             results[i] = (self._decide(s, req, context, block, lg, share, h) if tr is None
                           else self._decide_tree(s, req, context, block, lg, tr, share))
@@ -164,7 +166,7 @@ class Verifier:
 
     def _hidden_hook(self, module, args) -> None:
         """Forward pre-hook on the LM head, registered for a pass that holds a semantic
-        row: keep its input (the final norm's output, [B, T, H])."""
+        row: keep its input (the final norm's output, [1, sum T_b, H]: rows packed)."""
         self._hidden = args[0].detach()
 
     # ------------------------------------------------------------------ early exit
@@ -176,13 +178,13 @@ class Verifier:
         if ctx is None:
             return
         t0, rows = ctx
-        h = out[0] if isinstance(out, tuple) else out             # [B, T, H]
-        for b, i, s, req, context, block, sink in rows:
+        h = out[0] if isinstance(out, tuple) else out     # [1, sum T_b, H]: rows packed
+        for start, i, s, req, context, block, sink in rows:
             try:
                 q = None if s.cfg.greedy else _q_tok(s, req, block)
                 a, nxt = provisional_verdict(
                     s.cfg, s.seed, context, block, q,
-                    self.early_head.logits(h[b, :len(block) + 1]),
+                    self.early_head.logits(h[0, start:start + len(block) + 1]),
                     self.early_head.accept_topk)
                 self._provisional[id(req)] = (a, nxt)
                 sink(EarlyVerdict(req.block_seq, a, nxt, self.early_head.layer,

@@ -11,6 +11,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from edge_sdk.row_attention import RowBatch, row_attention_pass
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
@@ -142,90 +144,56 @@ class KVModel:
             raise AssertionError(f"KV cache holds {n} tokens, expected {len(self.ids)}")
 
 
-def _padded_pasts(kvs: Sequence[KVModel], L: list[int], Lm: int) -> DynamicCache:
-    """One cache holding every row's past, left-padded with zeros to ``Lm`` entries."""
-    cache = DynamicCache(config=kvs[0].model.config)
-    if not Lm:
-        return cache
-    ref = next(k for k in kvs if k.ids).cache.layers
-    for layer in range(len(ref)):
-        ks, vs = [], []
-        for kv, lb in zip(kvs, L):
-            if lb:
-                k, v = kv.cache.layers[layer].keys, kv.cache.layers[layer].values
-            else:
-                k = v = ref[layer].keys[:1, :, :0]
-            pad = (0, 0, Lm - lb, 0)
-            ks.append(torch.nn.functional.pad(k, pad))
-            vs.append(torch.nn.functional.pad(v, pad))
-        cache.update(torch.cat(ks), torch.cat(vs), layer)
-    return cache
-
-
-def _padded_inputs(news: Sequence[Sequence[int]], L: list[int], Lm: int, trees=None):
-    """Right-padded input ids [B, Tm], position ids [B, Tm] continuing each row's past,
-    and the bool attention mask [B, 1, Tm, Lm + Tm] (own past, causal over own new, or
-    row b's tree mask and position offsets when ``trees[b]`` is a TreeLayout)."""
-    B, T = len(news), [len(n) for n in news]
-    Tm = max(T)
-    ids = torch.zeros(B, Tm, dtype=torch.long)
-    pos = torch.arange(Tm).unsqueeze(0) + torch.tensor(L).unsqueeze(1)
-    mask = torch.zeros(B, 1, Tm, Lm + Tm, dtype=torch.bool)
-    causal = torch.tril(torch.ones(Tm, Tm, dtype=torch.bool))
-    for b in range(B):
-        ids[b, :T[b]] = torch.tensor(list(news[b]))
-        mask[b, 0, :, Lm - L[b]:Lm] = True
-        tree = None if trees is None else trees[b]
-        if tree is None:
-            mask[b, 0, :, Lm:Lm + T[b]] = causal[:, :T[b]]
-        else:
-            mask[b, 0, :T[b], Lm:Lm + T[b]] = tree.attn
-            mask[b, 0, T[b]:, Lm:Lm + T[b]] = causal[T[b]:, :T[b]]   # padding rows
-            pos[b, :T[b]] = L[b] + tree.offsets
-    return ids, pos, mask
-
-
 @torch.inference_mode()
 def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]],
                     trees: Sequence | None = None) -> list[torch.Tensor]:
     """One forward over several sequences with their own KV caches (same model).
 
-    Row b continues ``kvs[b]`` (past length L_b) with ``news[b]`` (T_b tokens). Pasts
-    are left-padded to max L and new tokens right-padded to max T; an explicit 4-D mask
-    hides the padding and keeps attention causal; position ids continue each row's own
-    past. Afterwards each cache is extended by exactly its own T_b new entries.
+    Row b continues ``kvs[b]`` (past length L_b) with ``news[b]`` (T_b tokens): the
+    linear layers run once over all rows (packed one after another, [1, sum T_b], no
+    padding), attention runs per row over row b's own cache
+    (:mod:`edge_sdk.row_attention`: no padded pasts, no repeated key/value heads);
+    position ids continue each row's own past.
+    Afterwards each cache is extended by exactly its own T_b new entries.
 
     ``trees``: per row a :class:`edge_sdk.protocol.tree.TreeLayout` of its T_b new
     tokens (a sibling tree) or None (causal).
 
-    Returns float32 logits per row, [T_b, V]. A batch of one runs unpadded (bit-identical
-    to :meth:`KVModel.forward`). Raises ValueError for an empty row.
+    Returns float32 logits per row, [T_b, V]. A batch of one runs unbatched
+    (bit-identical to :meth:`KVModel.forward`). Raises ValueError for an empty row, a
+    cache given twice, or a tree whose rows differ from its row's tokens.
     """
     if len(kvs) == 1:
         return [kvs[0].forward(news[0], None if trees is None else trees[0])]
     if any(not n for n in news):
         raise ValueError("every row needs at least one new token")
-    L = [len(k.ids) for k in kvs]
-    Lm = max(L)
-    cache = _padded_pasts(kvs, L, Lm)
+    if len({id(k) for k in kvs}) != len(kvs):
+        raise ValueError("a KV cache appears in two rows of one pass")
     if trees is not None and any(t is not None and t.rows != len(n)
                                  for t, n in zip(trees, news)):
         raise ValueError("a tree's rows differ from its row's new tokens")
-    ids, pos, mask = _padded_inputs(news, L, Lm, trees)
+    T = [len(n) for n in news]
+    ids = torch.tensor([[int(t) for n in news for t in n]], dtype=torch.long)
+    pos = []
+    for b, kv in enumerate(kvs):
+        tree = None if trees is None else trees[b]
+        off = torch.arange(T[b]) if tree is None else torch.as_tensor(tree.offsets)
+        pos.append(len(kv.ids) + off)
+    pos = torch.cat(pos)[None]
+    rows = RowBatch(kvs, T, trees)
+    model = kvs[0].model
     try:
-        logits = kvs[0].model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                              cache=cache, use_cache=True).logits.float()
+        with row_attention_pass(model, rows):
+            logits = model(input_ids=ids, position_ids=pos, cache=rows,
+                           use_cache=True).logits
     except BaseException:
-        for kv in kvs:   # their caches were not touched, but be safe: refill lazily
+        for kv in kvs:   # some layers may hold this pass's entries: refill lazily
             kv.rebuild()
         raise
-    out = []
-    for b, kv in enumerate(kvs):
-        T = len(news[b])
-        for layer, lay in enumerate(cache.layers):
-            kv.cache.update(lay.keys[b:b + 1, :, Lm:Lm + T].clone(),
-                            lay.values[b:b + 1, :, Lm:Lm + T].clone(), layer)
-        kv.ids.extend(int(t) for t in news[b])
+    out, a = [], 0
+    for kv, new, t in zip(kvs, news, T):
+        kv.ids.extend(int(x) for x in new)
         kv.check()
-        out.append(logits[b, :T])
+        out.append(logits[0, a:a + t].float())
+        a += t
     return out

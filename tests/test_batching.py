@@ -1,5 +1,5 @@
 """Cloud re-batching (SPEC §3): blocks of different sessions, prefix lengths and depths
-in one padded target pass give each session exactly its unbatched verdict."""
+in one packed target pass give each session exactly its unbatched verdict."""
 
 from __future__ import annotations
 

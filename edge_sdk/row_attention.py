@@ -1,0 +1,151 @@
+"""Row attention: one target pass over several sessions, each attending to its own KV cache.
+
+A batched verification pass (AsymSpec §IV-C's cloud re-batching) shares the expensive
+part of a pass across sessions: every linear layer streams its weights once for all the
+rows. Attention is the opposite: row b's queries only ever read row b's keys and values.
+Left-padding every past to the longest one, stacking them into one cache and letting
+the model's attention repeat the grouped key/value heads for every query head copies
+each session's whole cache several times per layer: on one CPU core a bf16
+Qwen2.5-Coder-1.5B pass of 8 sessions x 2 tokens after ~230-token pasts cost 538-565 ms
+against 298-309 ms for one session. Row attention over packed rows: 333-350 ms against
+280-288 ms (4 sessions: 304-311 ms against 361-367 ms padded), and every session's
+logits are bit for bit those of its own unbatched pass in that probe (``python -m
+bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 2,3 1,4,8``).
+
+Here the pass packs the sessions' new tokens into one sequence (no padding: the linear
+layers see exactly the rows there are), hands the model a :class:`RowBatch` as its
+cache and switches the model's attention to :func:`row_attention` for the pass
+(:func:`row_attention_pass`; the model builds no mask of its own for an attention it
+does not know). Each layer then appends row b's new keys/values to session b's own
+cache and runs attention per row, with the grouped-query heads folded into the query
+length (query ``[1, Hq, t, D]`` viewed as ``[1, Hkv, Hq/Hkv * t, D]``) so that no key
+or value is copied. The arithmetic per row is the same attention as an unbatched pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+ROW_ATTENTION = "specrelay_rows"
+
+__all__ = ["ROW_ATTENTION", "RowBatch", "row_attention", "row_attention_pass"]
+
+
+class RowBatch:
+    """The rows of one batched pass: their KV models and new-token counts.
+
+    Passed to the model as its ``cache`` (:meth:`update`: each row's new keys/values
+    go to its own cache); :func:`row_attention` reads its rows and masks.
+
+    Args:
+        kvs: B :class:`edge_sdk.kvmodel.KVModel` of the same model; row b has
+            ``len(kvs[b].ids)`` = L_b cached tokens before the pass.
+        lengths: T_b, the new tokens of row b; the pass's input packs the rows one
+            after another, ``[1, sum T_b]`` (no padding).
+        trees: per row a :class:`edge_sdk.protocol.tree.TreeLayout` of its T_b rows or
+            None (causal), or None for all causal.
+    """
+
+    def __init__(self, kvs: Sequence, lengths: Sequence[int], trees=None):
+        self.kvs = list(kvs)
+        self.lengths = [int(t) for t in lengths]
+        self.starts = [sum(self.lengths[:b]) for b in range(len(self.lengths))]
+        self.past = [len(k.ids) for k in self.kvs]
+        self.trees = list(trees) if trees is not None else [None] * len(self.kvs)
+        self._masks: dict = {}
+
+    # -- the cache protocol the decoder layers use -------------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append row b's T_b new keys/values (its span of the packed ``[1, Hkv, sum T,
+        D]``) to session b's cache at ``layer_idx``. Returns the inputs (row attention
+        reads the caches)."""
+        for kv, a, t in zip(self.kvs, self.starts, self.lengths):
+            kv.cache.update(key[:, :, a:a + t], value[:, :, a:a + t], layer_idx)
+        return key, value
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.past)
+
+    # -- masks --------------------------------------------------------------------------
+    def mask(self, b: int) -> torch.Tensor:
+        """Bool [T_b, L_b + T_b] (True: attend) of row b: its whole past, and causal (or
+        its tree's mask) over its new tokens."""
+        if b not in self._masks:
+            L, t, tree = self.past[b], self.lengths[b], self.trees[b]
+            m = torch.ones(t, L + t, dtype=torch.bool)
+            m[:, L:] = (torch.tril(torch.ones(t, t, dtype=torch.bool)) if tree is None
+                        else tree.attn)
+            self._masks[b] = m
+        return self._masks[b]
+
+
+_active = threading.local()      # .rows: the RowBatch of the pass this thread runs
+
+
+def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask=None, scaling: float | None = None, dropout: float = 0.0,
+                  sliding_window: int | None = None, **kwargs):
+    """transformers' attention interface inside :func:`row_attention_pass`: the packed
+    ``query`` [1, Hq, sum T_b, D] -> ``([1, sum T_b, Hq, D], None)`` (``key``/``value``/
+    ``attention_mask`` are ignored: the pass's :class:`RowBatch` holds the caches and
+    masks).
+
+    Row b's T_b queries attend to session b's cache at ``module.layer_idx`` ([1, Hkv,
+    L_b + T_b, D], already holding this pass's keys). The Hq/Hkv query heads sharing a
+    key/value head are folded into the query length, so SDPA reads each cache once
+    without repeating it per head. Raises RuntimeError outside a row attention pass,
+    ValueError for a sliding-window layer (its cache keeps only the window, while
+    rolling back a rejected draft needs the whole past)."""
+    rows = getattr(_active, "rows", None)
+    if rows is None:
+        raise RuntimeError("row_attention runs inside row_attention_pass only")
+    if sliding_window is not None:
+        raise ValueError("row attention: sliding-window attention layers are not supported")
+    _, Hq, N, D = query.shape
+    out = query.new_empty(1, N, Hq, D)
+    for b, kv in enumerate(rows.kvs):
+        lay = kv.cache.layers[module.layer_idx]
+        k, v = lay.keys, lay.values
+        a, t = rows.starts[b], rows.lengths[b]
+        Hkv = k.shape[1]
+        g = Hq // Hkv
+        q = query[:, :, a:a + t].reshape(1, Hkv, g * t, D)
+        m = rows.mask(b).repeat(g, 1)[None, None]      # [1, 1, g*t, n]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scaling)
+        out[0, a:a + t] = o.reshape(Hq, t, D).transpose(0, 1)
+    return out, None
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ROW_ATTENTION, row_attention)
+        _registered = True
+
+
+@contextmanager
+def row_attention_pass(model, rows: RowBatch):
+    """Within the block, ``model`` (on this thread) runs its attention through
+    :func:`row_attention` over ``rows``; the model's own implementation is restored on
+    exit, so every other pass is unchanged. One thread drives a model at a time."""
+    _register()
+    cfg = model.config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = ROW_ATTENTION
+    _active.rows = rows
+    try:
+        yield
+    finally:
+        _active.rows = None
+        cfg._attn_implementation = before
