@@ -72,9 +72,11 @@ def main() -> None:
     if a.kill_in_batch:
         forward = target.forward
 
+        from edge_sdk.row_attention import RowBatch
+
         def killing_forward(*args, **kw):
-            ids = kw.get("input_ids", args[0] if args else None)
-            if ids is not None and ids.shape[0] > 1:
+            rows = kw.get("cache")       # a batched pass packs its sessions' rows
+            if isinstance(rows, RowBatch) and len(rows.kvs) > 1:
                 _kill()
             return forward(*args, **kw)
 

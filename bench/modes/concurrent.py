@@ -184,7 +184,9 @@ class PipelineMode(ConcurrentMode):
     :class:`edge_sdk.EdgeClient` — its :class:`~edge_sdk.scheduler.DraftScheduler`
     grants the single draft worker to *ready* requests (confirmed prefix, no open block;
     at most one open block per request, never a descendant of an unresolved block), so
-    while one request's block waits for verification another drafts. Compact asym
+    while one request's block waits for verification another drafts; ready requests on
+    forks of one ONNX draft draft together (one draft forward per step, at most half of
+    the requests with an open block per grant). Compact asym
     protocol, fixed depth. The cloud re-batches whatever blocks have arrived: max batch
     >= C. ``ctx.options["policy"]``: scheduler policy (``fifo`` / ``fewest-tokens``)."""
 

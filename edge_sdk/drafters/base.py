@@ -65,6 +65,59 @@ class DraftBlock:
                           None if self.conf is None else self.conf[:n])
 
 
+class Proposal:
+    """The sampling side of drafting one block: :meth:`take` samples the next draft
+    token from the draft's logits after the tokens so far, exactly as
+    :meth:`Drafter.propose` does (shared processors, recorded q and greedy candidates),
+    so a backend that runs the forwards of several blocks at once (batched drafting)
+    samples each block as if it had been drafted alone.
+
+    Args: context [n] (the confirmed prefix), depth (>= 1), cfg, generator.
+    """
+
+    def __init__(self, context: Sequence[int], depth: int, cfg: SamplingConfig,
+                 generator: torch.Generator | None = None):
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
+        if not context:
+            raise ValueError("context must hold at least one token")
+        self.context, self.depth, self.cfg, self.generator = list(context), depth, cfg, generator
+        self.seen = list(context)
+        self.tokens: list[int] = []
+        self._q_tok: list[float] = []
+        self._q_rows: list[torch.Tensor] = []
+        self._cands: list[list[int]] = []
+        self._conf: list[float] = []
+        self.t0 = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.depth
+
+    def take(self, logits: torch.Tensor) -> int:
+        """Sample the next draft token from ``logits`` (float32 [V], after
+        ``self.seen``) and record it; returns its id."""
+        d, q = sample_next(logits, self.cfg, self.seen, self.generator)
+        self.tokens.append(d)
+        self._q_tok.append(1.0 if q is None else float(q[d]))
+        if q is not None:
+            self._q_rows.append(q)
+        elif self.cfg.greedy:
+            ids, c = candidates(logits, d)
+            self._cands.append(ids)
+            self._conf.append(c)
+        self.seen.append(d)
+        return d
+
+    def block(self) -> DraftBlock:
+        """The drafted block (its ``draft_s`` from this proposal's start)."""
+        q_full = torch.stack(self._q_rows) if self._q_rows else None
+        greedy = self.cfg.greedy and len(self._cands) == len(self.tokens)
+        return DraftBlock(list(self.tokens), torch.tensor(self._q_tok, dtype=torch.float64),
+                          q_full, time.perf_counter() - self.t0,
+                          self._cands if greedy else None, self._conf if greedy else None)
+
+
 class Drafter(ABC):
     """Draft-model mechanism with a KV cache that rolls back to the confirmed prefix."""
 
@@ -89,6 +142,27 @@ class Drafter(ABC):
         ``sync`` rolls the shared cache back, at the cost of re-prefilling)."""
         return self
 
+    def batch_group(self):
+        """Drafters returning the same non-None key can draft several blocks in one
+        forward per step (:meth:`propose_many`); None: this one drafts alone."""
+        return None
+
+    @staticmethod
+    def propose_many(drafters: Sequence["Drafter"], proposals: Sequence[Proposal]
+                     ) -> list[DraftBlock]:
+        """Draft ``proposals[i]`` with ``drafters[i]`` (one drafter per proposal, all
+        of one :meth:`batch_group`). Here one after another; a backend that batches
+        overrides it. Returns the blocks in order."""
+        return [d._run(p) for d, p in zip(drafters, proposals)]
+
+    def _run(self, p: Proposal) -> DraftBlock:
+        logits = self.sync(p.context)
+        while True:
+            d = p.take(logits)
+            if p.done:
+                return p.block()
+            logits = self.step(d)
+
     def propose(self, context: Sequence[int], depth: int, cfg: SamplingConfig,
                 generator: torch.Generator | None = None) -> DraftBlock:
         """Draft ``depth`` tokens after ``context`` [n] with the target's sampling config.
@@ -96,27 +170,4 @@ class Drafter(ABC):
         Returns a :class:`DraftBlock`. Greedy configs draft the argmax (q one-hot).
         Raises ValueError for depth < 1 or an empty context.
         """
-        if depth < 1:
-            raise ValueError("depth must be >= 1")
-        t0 = time.perf_counter()
-        logits = self.sync(context)
-        seen = list(context)
-        tokens, q_tok, q_rows, cands, conf = [], [], [], [], []
-        for i in range(depth):
-            d, q = sample_next(logits, cfg, seen, generator)
-            tokens.append(d)
-            q_tok.append(1.0 if q is None else float(q[d]))
-            if q is not None:
-                q_rows.append(q)
-            elif cfg.greedy:
-                ids, c = candidates(logits, d)
-                cands.append(ids)
-                conf.append(c)
-            seen.append(d)
-            if i + 1 < depth:
-                logits = self.step(d)
-        q_full = torch.stack(q_rows) if q_rows else None
-        greedy = cfg.greedy and len(cands) == depth
-        return DraftBlock(tokens, torch.tensor(q_tok, dtype=torch.float64), q_full,
-                          time.perf_counter() - t0, cands if greedy else None,
-                          conf if greedy else None)
+        return self._run(Proposal(context, depth, cfg, generator))

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from edge_sdk.drafters.base import Drafter
+from edge_sdk.drafters.base import DraftBlock, Drafter, Proposal
 from edge_sdk.kvmodel import common_prefix
 
 MANIFEST_NAME = "specrelay_onnx.json"
@@ -366,6 +366,19 @@ class OnnxDrafter(Drafter):
         """Drop the whole KV cache."""
         self.runner.reset()
 
+    def batch_group(self):
+        """Forks share one onnxruntime session: they draft together."""
+        return id(self.runner.session)
+
+    @staticmethod
+    def propose_many(drafters: Sequence["OnnxDrafter"], proposals: Sequence[Proposal]
+                     ) -> list[DraftBlock]:
+        """Draft several blocks with one onnxruntime call per step
+        (:func:`draft_batched`: the draft's weights are read once for all of them)."""
+        if len(drafters) == 1:
+            return [drafters[0]._run(proposals[0])]
+        return draft_batched([d.runner for d in drafters], proposals)
+
     def fork(self) -> "OnnxDrafter":
         """Another drafter on the same onnxruntime session (weights loaded once;
         ``InferenceSession.run`` is thread-safe) with its own, empty KV cache."""
@@ -373,3 +386,109 @@ class OnnxDrafter(Drafter):
         clone.runner = copy.copy(self.runner)
         clone.runner.reset()
         return clone
+
+
+#: A request whose cache lacks more than this many context tokens catches up alone
+#: before drafting in a batch (a prompt's prefill would pad every other row).
+BATCH_SYNC_MAX = 8
+
+
+def draft_batched(runners: Sequence[OnnxRunner], proposals: Sequence[Proposal]
+                  ) -> list[DraftBlock]:
+    """Draft ``proposals[b]`` on ``runners[b]`` (distinct runners of one onnxruntime
+    session) with ONE session call per draft step for all of them.
+
+    Each runner first rolls back to its context's common prefix, as ``sync`` does; a
+    runner missing more than :data:`BATCH_SYNC_MAX` context tokens fills all but the
+    last alone. The rows are then laid out left-padded in one batch: row b's cached
+    past and its missing context tokens each right-aligned, padding hidden by the
+    ``attention_mask`` (0) and position ids continuing each row's own sequence; every
+    call returns the logits of each row's last position. A row leaves the batch when
+    its block is complete. Afterwards each runner holds exactly its context plus its
+    block minus the last token (what a lone ``propose`` leaves), compacted out of the
+    padded batch. Returns the blocks in order. Raises ValueError for runners of
+    different sessions or a runner given twice."""
+    if len({id(r.session) for r in runners}) != 1 or len(set(map(id, runners))) != len(runners):
+        raise ValueError("batched drafting needs distinct runners of one session")
+    r0 = runners[0]
+    news = []
+    for r, p in zip(runners, proposals):
+        ctx = p.context
+        r.crop(min(common_prefix(r.ids, ctx), len(ctx) - 1))
+        new = list(ctx[len(r.ids):])
+        if len(new) > BATCH_SYNC_MAX:
+            r.forward_np(new[:-1], last=1)
+            new = new[-1:]
+        news.append(new)
+    B, H, D = len(runners), r0.num_kv_heads, r0.head_dim
+    P = [r.cache_len() for r in runners]
+    Pm, Km = max(P), max(len(n) for n in news)
+    L = Pm + Km
+    mask = np.zeros((B, L), dtype=np.int64)
+    ids = np.zeros((B, Km), dtype=np.int64)
+    pos = np.zeros((B, Km), dtype=np.int64)
+    past = [np.zeros((B, H, Pm, D), dtype=r0.kv_dtype) for _ in range(2 * r0.num_layers)]
+    for b, (r, new) in enumerate(zip(runners, news)):
+        mask[b, Pm - P[b]:Pm] = 1
+        mask[b, L - len(new):] = 1
+        ids[b, Km - len(new):] = new
+        pos[b, Km - len(new):] = np.arange(P[b], P[b] + len(new))
+        for j, arr in enumerate(past):
+            if P[b]:
+                arr[b, :, Pm - P[b]:] = r.past[j][0]
+    rows = list(range(B))                    # batch row -> proposal index
+    fed = [list(n) for n in news]            # tokens each runner has been fed
+    nxt = [P[b] + len(news[b]) for b in range(B)]   # each row's next position
+    out: list[DraftBlock | None] = [None] * B
+
+    def run(ids_, pos_):
+        feeds = {"input_ids": ids_}
+        if "attention_mask" in r0.input_names:
+            feeds["attention_mask"] = mask
+        if "position_ids" in r0.input_names:
+            feeds["position_ids"] = pos_
+        if r0.keeps_logits:
+            feeds[KEEP_INPUT] = np.array([ids_.shape[1] - 1], dtype=np.int64)
+        for i in range(r0.num_layers):
+            feeds[past_name(i, "key")] = past[2 * i]
+            feeds[past_name(i, "value")] = past[2 * i + 1]
+        res = r0.session.run(r0.output_names, feeds)
+        return np.asarray(res[0][:, -1], dtype=np.float32), res[1:]
+
+    def settle(k: int) -> None:
+        """Batch row k's proposal is complete: its runner takes its compacted cache."""
+        b = rows[k]
+        keep = np.nonzero(mask[k])[0]
+        r = runners[b]
+        r.past = [np.ascontiguousarray(arr[k:k + 1, :, keep]) for arr in past]
+        r.ids.extend(fed[b])
+        r.check()
+        out[b] = proposals[b].block()
+
+    logits, past = run(ids, pos)
+    while rows:
+        step = []
+        for k, b in enumerate(rows):
+            d = proposals[b].take(torch.from_numpy(logits[k]))
+            step.append(d)
+        done = [k for k, b in enumerate(rows) if proposals[b].done]
+        for k in done:
+            settle(k)
+        live = [k for k in range(len(rows)) if k not in done]
+        if not live:
+            break
+        if done:                              # the finished rows leave the batch
+            sel = np.asarray(live)
+            mask, logits = mask[sel], logits[sel]
+            past = [arr[sel] for arr in past]
+            rows = [rows[k] for k in live]
+            step = [step[k] for k in live]
+        for b, d in zip(rows, step):
+            fed[b].append(d)
+        mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
+        ids1 = np.asarray(step, dtype=np.int64)[:, None]
+        pos1 = np.asarray([nxt[b] for b in rows], dtype=np.int64)[:, None]
+        for b in rows:
+            nxt[b] += 1
+        logits, past = run(ids1, pos1)
+    return out
