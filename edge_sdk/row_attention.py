@@ -73,16 +73,17 @@ class RowBatch:
         return max(self.past)
 
     # -- masks --------------------------------------------------------------------------
-    def mask(self, b: int) -> torch.Tensor:
-        """Bool [T_b, L_b + T_b] (True: attend) of row b: its whole past, and causal (or
-        its tree's mask) over its new tokens."""
-        if b not in self._masks:
+    def mask(self, b: int, groups: int = 1) -> torch.Tensor:
+        """Bool [1, 1, groups * T_b, L_b + T_b] (True: attend) of row b: its whole past,
+        and causal (or its tree's mask) over its new tokens; repeated ``groups`` times
+        along the queries (the folded query heads). Built once per pass, not per layer."""
+        if (b, groups) not in self._masks:
             L, t, tree = self.past[b], self.lengths[b], self.trees[b]
             m = torch.ones(t, L + t, dtype=torch.bool)
             m[:, L:] = (torch.tril(torch.ones(t, t, dtype=torch.bool)) if tree is None
                         else tree.attn)
-            self._masks[b] = m
-        return self._masks[b]
+            self._masks[(b, groups)] = m.repeat(groups, 1)[None, None]
+        return self._masks[(b, groups)]
 
 
 _active = threading.local()      # .rows: the RowBatch of the pass this thread runs
@@ -116,7 +117,7 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         Hkv = k.shape[1]
         g = Hq // Hkv
         q = query[:, :, a:a + t].reshape(1, Hkv, g * t, D)
-        m = rows.mask(b).repeat(g, 1)[None, None]      # [1, 1, g*t, n]
+        m = rows.mask(b, g)                                   # [1, 1, g*t, n]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scaling)
         out[0, a:a + t] = o.reshape(Hq, t, D).transpose(0, 1)
     return out, None

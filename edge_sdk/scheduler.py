@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -78,7 +79,7 @@ class DraftScheduler:
         self._busy = False
         self._seq = itertools.count()
         self.grants = 0
-        self.batches: list[int] = []      # blocks per batched grant (> 1 only)
+        self.batches: Counter = Counter()   # batched grants (> 1 block) by size: bounded
         self._last_ready = 0.0            # loop time the latest job was queued
         self._timer: asyncio.TimerHandle | None = None
 
@@ -176,7 +177,7 @@ class DraftScheduler:
                 if len(batch) == 1:
                     call = (batch[0].fn, *batch[0].args)
                 else:
-                    self.batches.append(len(batch))
+                    self.batches[len(batch)] += 1
                     drafters = [j.fn.__self__ for j in batch]
                     proposals = [Proposal(*j.args) for j in batch]
                     call = (type(drafters[0]).propose_many, drafters, proposals)
