@@ -6,7 +6,11 @@ position t to be the same whether t is the single token of a decode pass or row 
 attention implementation, and the pass times, for the near-tie policy
 (``sampling.NEAR_TIE_GAP``) and for work on bit-exact bfloat16 verification::
 
-    python -m bench.shape_invariance qwen2.5-coder-1.5b --attn eager,sdpa
+    python -m bench.shape_invariance qwen2.5-coder-1.5b --attn sdpa,invariant
+
+``invariant``: the serving engine's row-invariant passes (:mod:`edge_sdk.invariant`);
+``eager``/``sdpa``: transformers' attention. The model is loaded as the serving engine
+loads it (oneDNN-prepacked bf16 linears; ``SPECRELAY_PACKED=0``: plain).
 
 Prints one JSON line per attention implementation.
 """
@@ -62,17 +66,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default="qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--attn", default="eager,sdpa", help="attention implementations")
+    ap.add_argument("--attn", default="sdpa,invariant",
+                    help="attention implementations (eager, sdpa, invariant)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     from specrelay_data.workloads import load_workload
+    from edge_sdk.invariant import make_row_invariant
     from edge_sdk.models import encode_prompt, load_model
+    from edge_sdk.packed import packed_default
 
     torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model, dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype, packed=packed_default())
     ids = encode_prompt(tok, load_workload("humaneval", n=1, seed=5)[0].text, True)
     for impl in args.attn.split(","):
-        model.set_attn_implementation(impl)
+        if impl == "invariant":
+            make_row_invariant(model)
+        else:
+            model.set_attn_implementation(impl)
         out = probe(model, ids)
         print(json.dumps({"model": args.model, "dtype": args.dtype, "attn": impl,
                           "prompt_tokens": len(ids), **out}), flush=True)

@@ -19,6 +19,7 @@ from cloud_api.early_exit import ExitHead, decoder_layers
 from cloud_api.early_verdict import provisional_verdict
 from cloud_api.sessions import ApiError, Session
 from cloud_api.wisv.serving import SemanticAcceptance
+from edge_sdk.invariant import make_row_invariant
 from edge_sdk.kvmodel import batched_forward
 from edge_sdk.models import free_pass_rows
 from edge_sdk.protocol import rng
@@ -38,6 +39,9 @@ def _q_tok(s: Session, req: VerifyRequest, block: list[int]) -> torch.Tensor:
     if s.mode == "standard":
         return torch.tensor(np.asarray(req.q_full)[np.arange(len(block)), block])
     return torch.tensor(np.array(req.q_tok, dtype=np.float64))
+
+
+ROW_INVARIANT_MODES = ("exact", "fast", "off")
 
 
 class Verifier:
@@ -67,6 +71,15 @@ class Verifier:
     (rows packed) of a pass that holds such a row (registered for that pass only); ``semantic_accepted``
     counts the tokens accepted that way. Exact sessions are decided by the exact rule
     alone, whatever ``semantic`` is.
+
+    ``row_invariant`` makes the target's verify passes row-invariant
+    (:func:`edge_sdk.invariant.make_row_invariant`, in place): a row's logits are bit for
+    bit those of the target decoding alone, so greedy output is the target's even at
+    near-ties in bf16. ``"exact"`` (default): every verify pass, batched passes of more
+    rows than the kernels keep alike run their linears in pieces (up to ~1.7x the cost
+    of a pass of 40 rows); ``"fast"``: no pieces, such large batched passes follow the
+    near-tie policy; ``"off"``: the model's own kernels. A single session's pass costs
+    ~1-2 % more either way (``python -m bench.shape_invariance``).
     """
 
     supports_trees = True
@@ -74,7 +87,12 @@ class Verifier:
     def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS,
                  early_head: ExitHead | None = None,
                  semantic: SemanticAcceptance | None = None, max_tree_rows: int = 40,
-                 free_rows: int | None = None):
+                 free_rows: int | None = None, row_invariant: str = "exact"):
+        if row_invariant not in ROW_INVARIANT_MODES:
+            raise ValueError(f"row_invariant={row_invariant!r}: expected one of "
+                             f"{', '.join(ROW_INVARIANT_MODES)}")
+        if row_invariant != "off":
+            make_row_invariant(model, pieces=row_invariant == "exact")
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))

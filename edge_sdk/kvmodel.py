@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from edge_sdk.invariant import invariant_rows
 from edge_sdk.row_attention import RowBatch, row_attention_pass
 
 
@@ -65,16 +66,22 @@ class KVModel:
         last <= k): the LM head is skipped for the other rows, whose logits a prefill
         never reads (on a 1.5B model with a 152k vocabulary the head is ~15 % of a
         prompt's FLOPs). The cache is the same either way. Raises ValueError for a
-        ``last`` outside 1..k."""
+        ``last`` outside 1..k.
+
+        On a row-invariant model (:mod:`edge_sdk.invariant`) a pass of at most its
+        ``max_rows`` tokens attends one token at a time: row i's logits are bit for bit
+        those of a 1-token pass at its position."""
         if not new_ids:
             raise ValueError("forward() needs at least one token")
         if last is not None and not 1 <= last <= len(new_ids):
             raise ValueError(f"last={last} outside 1..{len(new_ids)}")
+        if tree is not None and tree.rows != len(new_ids):
+            raise ValueError(f"tree of {tree.rows} rows for {len(new_ids)} tokens")
+        if len(new_ids) <= invariant_rows(self.model):
+            return self._forward_rows(new_ids, tree, last)
         x = torch.tensor([list(new_ids)], dtype=torch.long)
         kw = {}
         if tree is not None:
-            if tree.rows != len(new_ids):
-                raise ValueError(f"tree of {tree.rows} rows for {len(new_ids)} tokens")
             P = len(self.ids)
             mask = torch.ones(1, 1, tree.rows, P + tree.rows, dtype=torch.bool)
             mask[0, 0, :, P:] = tree.attn
@@ -87,6 +94,25 @@ class KVModel:
             self.rebuild()  # a half-updated cache cannot be trimmed reliably
             raise
         self.ids.extend(int(t) for t in new_ids)
+        self.check()
+        return out.logits[0].float()
+
+    def _forward_rows(self, new_ids: Sequence[int], tree, last: int | None
+                      ) -> torch.Tensor:
+        """:meth:`forward` through :mod:`edge_sdk.row_attention`, one token at a time."""
+        P, t = len(self.ids), len(new_ids)
+        off = torch.arange(t) if tree is None else torch.as_tensor(tree.offsets)
+        kw = {"logits_to_keep": last} if last is not None and last < t else {}
+        rows = RowBatch([self], [t], [tree], invariant=t)
+        try:
+            with row_attention_pass(self.model, rows):
+                out = self.model(input_ids=torch.tensor([list(new_ids)], dtype=torch.long),
+                                 position_ids=(P + off)[None], cache=rows, use_cache=True,
+                                 **kw)
+        except BaseException:
+            self.rebuild()
+            raise
+        self.ids.extend(int(x) for x in new_ids)
         self.check()
         return out.logits[0].float()
 
@@ -159,6 +185,9 @@ def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]],
     ``trees``: per row a :class:`edge_sdk.protocol.tree.TreeLayout` of its T_b new
     tokens (a sibling tree) or None (causal).
 
+    On a row-invariant model (:mod:`edge_sdk.invariant`) rows of at most its
+    ``max_rows`` tokens attend one token at a time, as in :meth:`KVModel.forward`.
+
     Returns float32 logits per row, [T_b, V]. A batch of one runs unbatched
     (bit-identical to :meth:`KVModel.forward`). Raises ValueError for an empty row, a
     cache given twice, or a tree whose rows differ from its row's tokens.
@@ -180,8 +209,8 @@ def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]],
         off = torch.arange(T[b]) if tree is None else torch.as_tensor(tree.offsets)
         pos.append(len(kv.ids) + off)
     pos = torch.cat(pos)[None]
-    rows = RowBatch(kvs, T, trees)
     model = kvs[0].model
+    rows = RowBatch(kvs, T, trees, invariant=invariant_rows(model))
     try:
         with row_attention_pass(model, rows):
             logits = model(input_ids=ids, position_ids=pos, cache=rows,

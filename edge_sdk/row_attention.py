@@ -20,6 +20,12 @@ does not know). Each layer then appends row b's new keys/values to session b's o
 cache and runs attention per row, with the grouped-query heads folded into the query
 length (query ``[1, Hq, t, D]`` viewed as ``[1, Hkv, Hq/Hkv * t, D]``) so that no key
 or value is copied. The arithmetic per row is the same attention as an unbatched pass.
+
+A row-invariant model (:mod:`edge_sdk.invariant`) goes further for rows of at most
+``invariant`` new tokens: each new token attends in its own call over exactly the keys
+it sees (its past, then its ancestors in the block, in order), with its Hq/Hkv query
+heads folded into Hq/Hkv query rows -- the call a 1-token pass at that position makes,
+so its output is bit for bit the target-alone decode's.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import torch.nn.functional as F
 
 ROW_ATTENTION = "specrelay_rows"
 
-__all__ = ["ROW_ATTENTION", "RowBatch", "row_attention", "row_attention_pass"]
+__all__ = ["ROW_ATTENTION", "RowBatch", "invariant_pass", "row_attention",
+           "row_attention_pass"]
 
 
 class RowBatch:
@@ -49,15 +56,20 @@ class RowBatch:
             after another, ``[1, sum T_b]`` (no padding).
         trees: per row a :class:`edge_sdk.protocol.tree.TreeLayout` of its T_b rows or
             None (causal), or None for all causal.
+        invariant: rows with T_b <= ``invariant`` attend one new token at a time
+            (:mod:`edge_sdk.invariant`); 0: none.
     """
 
-    def __init__(self, kvs: Sequence, lengths: Sequence[int], trees=None):
+    def __init__(self, kvs: Sequence, lengths: Sequence[int], trees=None,
+                 invariant: int = 0):
         self.kvs = list(kvs)
         self.lengths = [int(t) for t in lengths]
         self.starts = [sum(self.lengths[:b]) for b in range(len(self.lengths))]
         self.past = [len(k.ids) for k in self.kvs]
         self.trees = list(trees) if trees is not None else [None] * len(self.kvs)
+        self.invariant = int(invariant)
         self._masks: dict = {}
+        self._seen: dict = {}
 
     # -- the cache protocol the decoder layers use -------------------------------------
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args,
@@ -85,8 +97,36 @@ class RowBatch:
             self._masks[(b, groups)] = m.repeat(groups, 1)[None, None]
         return self._masks[(b, groups)]
 
+    def per_token(self, b: int) -> bool:
+        """Whether row b attends one new token at a time (row-invariant)."""
+        return self.lengths[b] <= self.invariant
+
+    def seen(self, b: int, i: int) -> int | torch.Tensor:
+        """The cache entries new token i of row b attends to: their count n when they
+        are the first n (causal, or a tree node whose ancestors precede it
+        contiguously), else their indices (long [n], ascending: the past, then the
+        node's ancestors and itself). Built once per pass."""
+        if (b, i) not in self._seen:
+            L, tree = self.past[b], self.trees[b]
+            if tree is None:
+                v = L + i + 1
+            else:
+                cols = torch.nonzero(torch.as_tensor(tree.attn[i])).flatten()
+                v = (L + i + 1 if torch.equal(cols, torch.arange(i + 1))
+                     else torch.cat([torch.arange(L), L + cols]))
+            self._seen[(b, i)] = v
+        return self._seen[(b, i)]
+
 
 _active = threading.local()      # .rows: the RowBatch of the pass this thread runs
+
+
+def invariant_pass() -> bool:
+    """True inside a :func:`row_attention_pass` whose every row attends one token at a
+    time (a row-invariant pass: :mod:`edge_sdk.invariant`'s linears then keep their
+    pieces within the row counts their kernels compute alike)."""
+    rows = getattr(_active, "rows", None)
+    return rows is not None and all(rows.per_token(b) for b in range(len(rows.kvs)))
 
 
 def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -102,7 +142,10 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     key/value head are folded into the query length, so SDPA reads each cache once
     without repeating it per head. Raises RuntimeError outside a row attention pass,
     ValueError for a sliding-window layer (its cache keeps only the window, while
-    rolling back a rejected draft needs the whole past)."""
+    rolling back a rejected draft needs the whole past).
+
+    A row with :meth:`RowBatch.per_token` runs one SDPA call per new token instead:
+    query [1, Hkv, Hq/Hkv, D] over its :meth:`RowBatch.seen` keys, no mask."""
     rows = getattr(_active, "rows", None)
     if rows is None:
         raise RuntimeError("row_attention runs inside row_attention_pass only")
@@ -116,6 +159,15 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         a, t = rows.starts[b], rows.lengths[b]
         Hkv = k.shape[1]
         g = Hq // Hkv
+        if rows.per_token(b):
+            for i in range(t):
+                n = rows.seen(b, i)
+                ks, vs = ((k[:, :, :n], v[:, :, :n]) if isinstance(n, int)
+                          else (k.index_select(2, n), v.index_select(2, n)))
+                q = query[:, :, a + i].reshape(1, Hkv, g, D)
+                o = F.scaled_dot_product_attention(q, ks, vs, scale=scaling)
+                out[0, a + i] = o.reshape(Hq, D)
+            continue
         q = query[:, :, a:a + t].reshape(1, Hkv, g * t, D)
         m = rows.mask(b, g)                                   # [1, 1, g*t, n]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scaling)

@@ -181,15 +181,15 @@ def _untrained_note(draft: str) -> str | None:
 
 def _near_tie_note(extra: dict) -> str | None:
     """The demo's word on a greedy output that differs from the target alone's only at
-    a near-tie (allowed in bf16, README "Exactness"), or None."""
+    a near-tie (allowed where a pass is not row-invariant, README "Exactness"), or None."""
     if extra.get("identical_to_target") is not False or extra.get("hard_divergences"):
         return None
     return (f"identical_to_target False: the outputs part at token "
             f"{extra.get('first_divergence')}, where the target's top two logits are a "
-            "near-tie that bf16 rounding can flip between passes of different lengths; "
-            "the greedy policy allows this and counts it (near_tie_divergences), and "
-            "0 hard divergences means every other token is the target's. --dtype float32 "
-            "is identical up to logit ties of 1e-4, at ~3x the verify cost")
+            "near-tie that rounding can flip in a pass the verifier does not make "
+            "row-invariant (over 64 new tokens); the greedy policy allows this and counts "
+            "it (near_tie_divergences), and 0 hard divergences means every other token "
+            "is the target's")
 
 
 def _policy(kw: dict) -> str:

@@ -105,7 +105,8 @@ def semantic_note(sem) -> str:
 
 
 def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
-                  metrics_address, unauth_rpm, early_exit, wisv, free_rows=None) -> tuple:
+                  metrics_address, unauth_rpm, early_exit, wisv, free_rows=None,
+                  row_invariant="exact") -> tuple:
     """The single-server app (target loaded in this process): ``(app, the start-up
     line's early-exit and WISV notes)``. Raises click.BadParameter (--early-exit,
     --wisv-head)."""
@@ -123,7 +124,7 @@ def _embedded_app(*, model, dtype, threads, max_batch, max_wait_ms, store,
     app = create_app(target, tok, key_store=store, max_batch=max_batch,
                      max_wait_s=max_wait_ms / 1000, metrics_address=metrics_address,
                      unauth_per_window=unauth_rpm or None, early_head=head, semantic=sem,
-                     free_rows=free_rows)
+                     free_rows=free_rows, row_invariant=row_invariant)
     return app, ((f"; early exit: layer {head.layer} ({head.name})" if head else "")
                  + semantic_note(sem))
 
@@ -224,6 +225,12 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
               help="Token rows a target pass holds at about the cost of one, advertised "
               "so that clients size their sibling trees to it (default: 16 for bf16 on "
               "an AMX CPU, else 0: no trees unless a client asks for them).")
+@click.option("--row-invariant", type=click.Choice(("exact", "fast", "off")),
+              default="exact", show_default=True,
+              help="Row-invariant verify passes (greedy output bit for bit the target's, "
+              "also in bf16): exact = always; fast = except batched passes of more rows "
+              "than the kernels keep alike (~27 on Qwen here; those follow the near-tie "
+              "policy, at their old cost); off = the model's own kernels.")
 @click.option("--db", "--keys-db", "keys_db", default=None,
               help="API key store, as `specrelay keys --db` (default: $SPECRELAY_KEYS_DB, "
               "else ~/.config/specrelay/keys.sqlite3).")
@@ -296,7 +303,8 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
               show_default=True, help="operators: a mismatch where the draft or the "
               "target token is an operator, comparison, boolean keyword or number "
               "stays exact; off: every mismatch goes to the head.")
-def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, free_rows, keys_db,
+def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, free_rows,
+          row_invariant, keys_db,
           insecure_no_auth, tls_cert, tls_key, unauth_rpm, metrics_port, metrics_host,
           early_exit, replicas, ray_address, backend, backend_url, backend_top_n,
           backend_model, wisv_head, wisv_strict, wisv_relaxed, wisv_max_per_block,
@@ -335,6 +343,9 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, free_rows, 
     if free_rows is not None and backend != "torch":
         raise click.BadParameter("token trees need the torch verifier (--backend torch)",
                                  param_hint="--free-rows")
+    if row_invariant != "exact" and (backend != "torch" or replicas > 1 or ray_address):
+        raise click.BadParameter("the single torch verifier only (--backend torch, "
+                                 "--replicas 1)", param_hint="--row-invariant")
     _check_ports(host, port, metrics_host, metrics_port)
     check_wisv_options(wisv_head, wisv_strict, wisv_relaxed)
     from cloud_api.exit_select import check_setting
@@ -360,6 +371,8 @@ def serve(host, port, model, dtype, threads, max_batch, max_wait_ms, free_rows, 
           "metrics_address": metrics_address}
     if free_rows is not None:
         kw["free_rows"] = free_rows
+    if row_invariant != "exact":
+        kw["row_invariant"] = row_invariant
     wisv = {"head": wisv_head, "strict": wisv_strict, "relaxed": wisv_relaxed,
             "max_per_block": wisv_max_per_block, "guard": wisv_guard}
     engine = None if backend == "torch" else {

@@ -1,6 +1,6 @@
 """Target verify-pass cost against the tokens in the pass and the sessions batched in it.
 
-    python -m bench.probes.pass_cost [TARGET [DTYPE [SIZES [BATCHES]]]]
+    python -m bench.probes.pass_cost [TARGET [DTYPE [SIZES [BATCHES [INVARIANT]]]]]
     python -m bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 1,2,3,4,5,6,7,8,9,13
     python -m bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 2,3 1,2,4,8
 
@@ -10,7 +10,9 @@ cloud's batched verification, :func:`edge_sdk.kvmodel.batched_forward`), session
 after a (200 + 7b)-token context, on one thread, with the serving engine's
 oneDNN-prepacked linears (``SPECRELAY_PACKED=0``: plain ``F.linear``); for B > 1 also
 the largest difference between a session's logits in the batched pass and in its own
-unbatched pass (``max|dlogit|``; 0: bit for bit the same).
+unbatched pass (``max|dlogit|``; 0: bit for bit the same). INVARIANT ``1`` (default,
+as the cloud's verifier serves) makes the passes row-invariant
+(:mod:`edge_sdk.invariant`), ``0`` leaves the model's own attention.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import time
 
 
 def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16",
-         sizes: str = "1,9,13,17,25", batches: str = "1") -> dict:
+         sizes: str = "1,9,13,17,25", batches: str = "1", invariant: str = "1") -> dict:
     import torch
 
+    from edge_sdk.invariant import make_row_invariant
     from edge_sdk.kvmodel import KVModel, batched_forward
     from edge_sdk.models import load_model
     from edge_sdk.packed import packed_default
 
     torch.set_num_threads(1)
     m, _ = load_model(target, dtype=dtype, packed=packed_default())
+    if invariant == "1":
+        make_row_invariant(m)
     out = {}
     for B in (int(x) for x in batches.split(",")):
         for n in (int(x) for x in sizes.split(",")):
@@ -55,4 +60,4 @@ def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16",
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
