@@ -50,7 +50,7 @@ prefills."""
 _ATTR = "specrelay_invariant_rows"
 
 
-CALIBRATE_ROWS = 32
+CALIBRATE_ROWS = 64
 """Row counts up to which :func:`row_limit` checks a linear layer's kernels."""
 
 
@@ -66,7 +66,7 @@ def row_limit(mod: torch.nn.Module, upto: int = CALIBRATE_ROWS) -> int:
     shape: measured on an AMX Xeon, bf16, the prepacked [8960 -> 1536] down-projection
     of Qwen2.5-Coder-1.5B keeps its rows up to M = 27 (plain ``F.linear`` on the same
     weights only up to 4), beyond which the reduction order changes (and changes back)
-    with M; its other layers keep them past 32."""
+    with M; its other layers keep them past 64."""
     g = torch.Generator().manual_seed(0)
     dtype = next((p.dtype for p in mod.parameters()), torch.bfloat16)   # packed: bf16
     x = torch.randn(1, upto + upto % 2, mod.in_features, generator=g).to(dtype)
@@ -131,11 +131,17 @@ def make_row_invariant(model: torch.nn.Module, max_rows: int = INVARIANT_MAX_ROW
     (``python -m bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 5 8``); passes of
     up to 27 rows, every single-session verify pass among them, cost the same either way.
 
+    A model with sliding-window attention layers is left as it is (row attention
+    refuses them: their cache keeps only the window, so a rejected draft cannot be
+    rolled back out of it); its passes follow the near-tie policy.
+
     Raises:
         ValueError: ``max_rows`` < 1.
     """
     if max_rows < 1:
         raise ValueError(f"max_rows={max_rows}: expected >= 1")
+    if _sliding(getattr(model, "config", None)):
+        return model
     known = _load_limits()
     found: dict[str, int] = {}
     for mod in model.modules():
@@ -150,6 +156,16 @@ def make_row_invariant(model: torch.nn.Module, max_rows: int = INVARIANT_MAX_ROW
         _save_limits({**known, **found})
     setattr(model, _ATTR, int(max_rows))
     return model
+
+
+def _sliding(cfg) -> bool:
+    """Whether a model config has sliding-window attention layers."""
+    if cfg is None:
+        return False
+    if any("sliding" in str(t) for t in (getattr(cfg, "layer_types", None) or ())):
+        return True
+    return bool(getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window",
+                                                                      None))
 
 
 def _limit_key(mod: torch.nn.Module) -> str:

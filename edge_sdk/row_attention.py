@@ -101,21 +101,36 @@ class RowBatch:
         """Whether row b attends one new token at a time (row-invariant)."""
         return self.lengths[b] <= self.invariant
 
-    def seen(self, b: int, i: int) -> int | torch.Tensor:
-        """The cache entries new token i of row b attends to: their count n when they
-        are the first n (causal, or a tree node whose ancestors precede it
-        contiguously), else their indices (long [n], ascending: the past, then the
-        node's ancestors and itself). Built once per pass."""
+    def seen(self, b: int, i: int) -> tuple[int, tuple]:
+        """``(n, swaps)``: new token i of row b attends to n cache entries, the first n
+        once the entry pairs in ``swaps`` are exchanged (none for a causal row; a tree
+        node whose ancestors do not precede it contiguously brings itself and them
+        forward, in order, so that it reads the past, its ancestors and itself as the
+        first n entries, as a 1-token decode of its path does). Built once per pass."""
         if (b, i) not in self._seen:
             L, tree = self.past[b], self.trees[b]
             if tree is None:
-                v = L + i + 1
+                v = (L + i + 1, ())
             else:
-                cols = torch.nonzero(torch.as_tensor(tree.attn[i])).flatten()
-                v = (L + i + 1 if torch.equal(cols, torch.arange(i + 1))
-                     else torch.cat([torch.arange(L), L + cols]))
+                cols = (L + torch.nonzero(torch.as_tensor(tree.attn[i])).flatten()).tolist()
+                n = L + len(cols)
+                v = (n, tuple((L + j, c) for j, c in enumerate(cols) if c != L + j))
             self._seen[(b, i)] = v
         return self._seen[(b, i)]
+
+
+def _swap(t: torch.Tensor, pairs: tuple) -> None:
+    """Exchange entries a and c along the sequence axis of ``t`` [1, H, N, D], in place,
+    for each (a, c) in ``pairs`` in order (disjoint pairs, as a sibling tree's: one
+    gather and one write)."""
+    if not pairs:
+        return
+    a = [p[0] for p in pairs] + [p[1] for p in pairs]
+    if len(set(a)) == len(a):
+        t[:, :, a] = t[:, :, [p[1] for p in pairs] + [p[0] for p in pairs]]
+        return
+    for x, y in pairs:
+        t[:, :, [x, y]] = t[:, :, [y, x]]
 
 
 _active = threading.local()      # .rows: the RowBatch of the pass this thread runs
@@ -145,7 +160,9 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     rolling back a rejected draft needs the whole past).
 
     A row with :meth:`RowBatch.per_token` runs one SDPA call per new token instead:
-    query [1, Hkv, Hq/Hkv, D] over its :meth:`RowBatch.seen` keys, no mask."""
+    query [1, Hkv, Hq/Hkv, D] over its :meth:`RowBatch.seen` keys (a tree node's
+    ancestors and itself swapped in place to follow its past for the call, and back),
+    no mask."""
     rows = getattr(_active, "rows", None)
     if rows is None:
         raise RuntimeError("row_attention runs inside row_attention_pass only")
@@ -161,12 +178,15 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         g = Hq // Hkv
         if rows.per_token(b):
             for i in range(t):
-                n = rows.seen(b, i)
-                ks, vs = ((k[:, :, :n], v[:, :, :n]) if isinstance(n, int)
-                          else (k.index_select(2, n), v.index_select(2, n)))
+                n, swaps = rows.seen(b, i)
+                _swap(k, swaps)
+                _swap(v, swaps)
                 q = query[:, :, a + i].reshape(1, Hkv, g, D)
-                o = F.scaled_dot_product_attention(q, ks, vs, scale=scaling)
+                o = F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n],
+                                                   scale=scaling)
                 out[0, a + i] = o.reshape(Hq, D)
+                _swap(k, swaps[::-1])                 # the cache back as it was
+                _swap(v, swaps[::-1])
             continue
         q = query[:, :, a:a + t].reshape(1, Hkv, g * t, D)
         m = rows.mask(b, g)                                   # [1, 1, g*t, n]

@@ -160,3 +160,39 @@ def test_the_verifier_makes_its_target_row_invariant_unless_asked_not_to():
     assert invariant_rows(c) and not c.model.layers[0].mlp.down_proj.specrelay_pieces
     with pytest.raises(ValueError, match="row_invariant"):
         Verifier(_model(torch.float32, seed=6), row_invariant=True)
+
+
+def test_sliding_window_models_are_left_alone():
+    """Row attention cannot serve sliding-window layers (their cache cannot roll back):
+    such a target keeps its own kernels and the near-tie policy, and still serves."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, use_sliding_window=True,
+                      sliding_window=4, max_window_layers=0)
+    m = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+    assert make_row_invariant(m) is m and invariant_rows(m) == 0
+    kv = KVModel(m)
+    kv.forward([1, 2, 3])
+    assert kv.forward([4, 5]).shape == (2, 64)
+
+
+def test_a_deep_tree_node_reads_its_ancestors_in_order(model):
+    """A general tree (not a sibling tree): row 3's ancestors are rows 0 and 2, row 4's
+    rows 0, 2 and 3 (entries out of place that overlap when brought forward); each row
+    is its path decoded alone, and the cache is left as the pass wrote it."""
+    from edge_sdk.protocol.tree import TreeLayout
+
+    attn = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
+                         [1, 0, 1, 1, 0], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    tree = TreeLayout(torch.tensor([0, 1, 1, 2, 3]), attn, ())
+    rows = [5, 21, 31, 32, 33]
+    kv = KVModel(model)
+    kv.forward(CTX)
+    out = kv.forward(rows, tree=tree)
+    paths = [[5], [5, 21], [5, 31], [5, 31, 32], [5, 31, 32, 33]]
+    for r, path in enumerate(paths):
+        assert torch.equal(out[r], _decode(model, CTX, path)[-1]), r
+    kv.keep(len(CTX) + 1, [len(CTX) + 2, len(CTX) + 3, len(CTX) + 4])
+    assert torch.equal(kv.forward([50])[0], _decode(model, CTX, [5, 31, 32, 33, 50])[-1])
