@@ -196,3 +196,13 @@ def test_a_deep_tree_node_reads_its_ancestors_in_order(model):
         assert torch.equal(out[r], _decode(model, CTX, path)[-1]), r
     kv.keep(len(CTX) + 1, [len(CTX) + 2, len(CTX) + 3, len(CTX) + 4])
     assert torch.equal(kv.forward([50])[0], _decode(model, CTX, [5, 31, 32, 33, 50])[-1])
+
+
+def test_the_service_hands_its_mode_to_the_verifier(tok):
+    from cloud_api.service import CloudService
+    from tests.conftest import tiny_model
+
+    m = tiny_model(seed=7)
+    CloudService(m, tok, row_invariant="fast")
+    lins = [x for x in m.modules() if hasattr(x, "in_features")]
+    assert invariant_rows(m) and lins and not any(x.specrelay_pieces for x in lins)

@@ -79,7 +79,11 @@ def one_line_error(r) -> str:
     (["--backend", "sglang", "--backend-url", "http://x:1", "--wisv-head", "h.st"],
      "--wisv-head", "semantic acceptance"),
     (["--backend", "sglang", "--backend-url", "http://x:1", "--free-rows", "16"],
-     "--free-rows", "token trees need the torch verifier")])
+     "--free-rows", "token trees need the torch verifier"),
+    (["--backend", "sglang", "--backend-url", "http://x:1", "--row-invariant", "off"],
+     "--row-invariant", "single torch verifier"),
+    (["--row-invariant", "fast", "--replicas", "2"], "--row-invariant",
+     "single torch verifier")])
 def test_backend_misuse_is_one_line(args, hint, words):
     r = CliRunner().invoke(specrelay_cli.main, ["serve", "--insecure-no-auth", "--port",
                                                 str(free_port()), *args])
