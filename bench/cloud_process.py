@@ -110,7 +110,8 @@ async def _serve(conn, model, tok, store, raw_key, threads, load_s, server_kw) -
 
     conn.send({"port": port, "raw_key": raw_key, "load_s": load_s, "pid": os.getpid(),
                "vocab_size": int(model.config.vocab_size), "max_batch": queue.max_batch,
-               "packed_linears": any(isinstance(m, PackedLinear) for m in model.modules())})
+               "packed_linears": any(isinstance(m, PackedLinear) for m in model.modules()),
+               "row_invariant": getattr(app[SERVICE].verifier, "row_invariant", None)})
     loop = asyncio.get_running_loop()
     while True:
         try:

@@ -198,6 +198,7 @@ def _config(run: _Run, runs: list, edge: dict, divergences: dict, t_begin: float
         "max_new_tokens": cfg.max_new_tokens, "depth": cfg.depth, "seed": cfg.seed,
         "concurrent_depth": cfg.concurrent_depth or cfg.depth,
         "dtype": cfg.dtype, "auth": cfg.auth, "packed_linears": info.get("packed_linears"),
+        "row_invariant": info.get("row_invariant"),
         "server_max_wait_s": cfg.server_kw.get("max_wait_s", 0.0),
         "cloud_cpus": run.cloud_cpus, "edge_cpus": run.edge_cpus,
         "cloud_threads": run.cloud_threads, "edge_threads": run.edge_threads,

@@ -42,14 +42,15 @@ class CloudService:
     ``free_rows``: token rows a target pass holds at about the cost of one, advertised
     to clients for sizing their sibling trees (None: the torch verifier's engine rule,
     :func:`edge_sdk.models.free_pass_rows`). ``row_invariant``: the torch verifier's
-    row invariance (``exact`` / ``fast`` / ``off``, :class:`cloud_api.verifier.Verifier`)."""
+    row invariance (``exact`` / ``fast`` / ``off``; None: ``$SPECRELAY_ROW_INVARIANT`` or
+    ``exact``; :class:`cloud_api.verifier.Verifier`)."""
 
     def __init__(self, model, tokenizer, *, max_block: int = MAX_DRAFT_TOKENS, max_batch: int = 8,
                  max_wait_s: float = 0.0, session_ttl_s: float = 600.0,
                  max_sessions: int = 256, max_sessions_per_key: int = 64,
                  kv_budget_bytes: int | None = None, threads: int | None = None,
                  metrics=None, early_head=None, verifier=None, semantic=None,
-                 free_rows: int | None = None, row_invariant: str = "exact"):
+                 free_rows: int | None = None, row_invariant: str | None = None):
         self.model, self.tokenizer = model, tokenizer
         if verifier is not None and semantic is not None:
             raise ValueError("semantic acceptance needs the torch verifier (hidden states)")

@@ -10,6 +10,7 @@ accepted semantically is the policy of :class:`cloud_api.wisv.serving.SemanticAc
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -78,7 +79,8 @@ class Verifier:
     near-ties in bf16. ``"exact"`` (default): every verify pass, batched passes of more
     rows than the kernels keep alike run their linears in pieces (up to ~1.7x the cost
     of a pass of 40 rows); ``"fast"``: no pieces, such large batched passes follow the
-    near-tie policy; ``"off"``: the model's own kernels. A single session's pass costs
+    near-tie policy; ``"off"``: the model's own kernels; None: ``$SPECRELAY_ROW_INVARIANT``
+    or ``"exact"``. A single session's pass costs
     ~1-2 % more either way (``python -m bench.shape_invariance``).
     """
 
@@ -87,12 +89,15 @@ class Verifier:
     def __init__(self, model, max_block: int = MAX_DRAFT_TOKENS,
                  early_head: ExitHead | None = None,
                  semantic: SemanticAcceptance | None = None, max_tree_rows: int = 40,
-                 free_rows: int | None = None, row_invariant: str = "exact"):
+                 free_rows: int | None = None, row_invariant: str | None = None):
+        if row_invariant is None:
+            row_invariant = os.environ.get("SPECRELAY_ROW_INVARIANT", "exact")
         if row_invariant not in ROW_INVARIANT_MODES:
             raise ValueError(f"row_invariant={row_invariant!r}: expected one of "
                              f"{', '.join(ROW_INVARIANT_MODES)}")
         if row_invariant != "off":
             make_row_invariant(model, pieces=row_invariant == "exact")
+        self.row_invariant = row_invariant
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 8192))

@@ -226,11 +226,12 @@ def _build_app(replicas: int, ray_address: str | None, early_exit, wisv: dict,
               "so that clients size their sibling trees to it (default: 16 for bf16 on "
               "an AMX CPU, else 0: no trees unless a client asks for them).")
 @click.option("--row-invariant", type=click.Choice(("exact", "fast", "off")),
-              default="exact", show_default=True,
+              default="exact", show_default=True, envvar="SPECRELAY_ROW_INVARIANT",
               help="Row-invariant verify passes (greedy output bit for bit the target's, "
               "also in bf16): exact = always; fast = except batched passes of more rows "
               "than the kernels keep alike (~27 on Qwen here; those follow the near-tie "
-              "policy, at their old cost); off = the model's own kernels.")
+              "policy, at their old cost); off = the model's own kernels "
+              "(env SPECRELAY_ROW_INVARIANT).")
 @click.option("--db", "--keys-db", "keys_db", default=None,
               help="API key store, as `specrelay keys --db` (default: $SPECRELAY_KEYS_DB, "
               "else ~/.config/specrelay/keys.sqlite3).")

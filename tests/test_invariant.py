@@ -147,7 +147,7 @@ def test_packed_linears_are_made_row_invariant_too():
     assert torch.equal(kv.forward(BLOCK), ref)
 
 
-def test_the_verifier_makes_its_target_row_invariant_unless_asked_not_to():
+def test_the_verifier_makes_its_target_row_invariant_unless_asked_not_to(monkeypatch):
     from cloud_api.verifier import Verifier
 
     a, b = _model(torch.float32, seed=3), _model(torch.float32, seed=4)
@@ -160,6 +160,12 @@ def test_the_verifier_makes_its_target_row_invariant_unless_asked_not_to():
     assert invariant_rows(c) and not c.model.layers[0].mlp.down_proj.specrelay_pieces
     with pytest.raises(ValueError, match="row_invariant"):
         Verifier(_model(torch.float32, seed=6), row_invariant=True)
+    monkeypatch.setenv("SPECRELAY_ROW_INVARIANT", "off")     # the operator's default
+    d = _model(torch.float32, seed=8)
+    assert Verifier(d).row_invariant == "off" and invariant_rows(d) == 0
+    monkeypatch.setenv("SPECRELAY_ROW_INVARIANT", "sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        Verifier(_model(torch.float32, seed=9))
 
 
 def test_sliding_window_models_are_left_alone():
