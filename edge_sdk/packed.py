@@ -10,9 +10,12 @@ Qwen2.5-Coder-1.5B bf16 after a 200-token context, a 1-token pass 322 -> 110 ms 
 7-token verify pass 296 -> 166 ms (``python -m bench.probes.pass_cost``), with logits
 bit-identical to the unpacked model (the same oneDNN kernels, minus the reorder).
 
-Only bfloat16 weights are packed (the dtype that was checked bit-identical); a model in
-another dtype, or a build without oneDNN, is left as it is. :func:`pack_linears` checks
-one input per layer against ``F.linear`` and keeps a layer unpacked where they differ.
+Only bfloat16 weights are packed; a model in another dtype, or a build without oneDNN,
+is left as it is. :func:`pack_linears` checks one input per layer against ``F.linear``
+and keeps a layer unpacked where they differ, unless ``require_equal=False`` -- what
+the serving load (:func:`edge_sdk.models.load_model` with ``packed=True``) asks for:
+there the target alone and every verify pass run the same packed model, and its
+row-invariant passes (:mod:`edge_sdk.invariant`) need the packed kernel's row limit.
 
 Packing is for serving only: a packed module has no autograd and its packed weight is
 an opaque oneDNN tensor (no ``state_dict`` entry, not traceable by the ONNX exporter).
