@@ -77,11 +77,11 @@ class Verifier:
     (:func:`edge_sdk.invariant.make_row_invariant`, in place): a row's logits are bit for
     bit those of the target decoding alone, so greedy output is the target's even at
     near-ties in bf16. ``"exact"`` (default): every verify pass, batched passes of more
-    rows than the kernels keep alike run their linears in pieces (up to ~1.7x the cost
-    of a pass of 40 rows); ``"fast"``: no pieces, such large batched passes follow the
+    rows than the kernels keep alike run their linears in pieces (8 sessions x 5 tokens
+    609-638 ms against 505-749, x 9 1.02 s against 0.57-0.79 s); ``"fast"``: no pieces, such large batched passes follow the
     near-tie policy; ``"off"``: the model's own kernels; None: ``$SPECRELAY_ROW_INVARIANT``
-    or ``"exact"``. A single session's pass costs
-    ~1-2 % more either way (``python -m bench.shape_invariance``).
+    or ``"exact"``. A single session's chain costs about the same either way, a 16-row
+    sibling tree ~5-9 % more (``python -m bench.shape_invariance``).
     """
 
     supports_trees = True

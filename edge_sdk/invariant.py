@@ -6,7 +6,7 @@ decode pass (the target alone) or row k of a (k+1)-token verify pass. In float a
 that holds only if every kernel computes a row the same way whatever else the pass
 holds -- "batch invariance" (H. He and Thinking Machines Lab, *Defeating Nondeterminism in
 LLM Inference*, 2025, "batch-invariant kernels"). On this project's CPU target (bf16,
-oneDNN) two kernels are not:
+oneDNN) three kernels are not:
 
 - **linear layers with one row**: a one-row matmul takes a matrix-vector path whose
   reduction order differs from the matrix-matrix kernel's (seen on Qwen2.5-Coder-1.5B's
@@ -18,8 +18,13 @@ oneDNN) two kernels are not:
   visible keys (past, then its ancestors in the block), with its grouped query heads
   folded into the query rows -- the very call a 1-token pass makes
   (:mod:`edge_sdk.row_attention`).
+- **linear layers beyond a row limit**: oneDNN changes its blocking with the row count
+  (the packed down-projection keeps rows alike up to 27 rows, then not for 28-39, then
+  again for 40-64). Fix: each layer's limit is measured once per machine
+  (:func:`row_limit`) and, in a row-invariant pass, a layer given more rows runs in
+  pieces within it.
 
-With both, a bf16 verify pass's logits equal the target-alone decode's bit for bit
+With all three, a bf16 verify pass's logits equal the target-alone decode's bit for bit
 (``python -m bench.shape_invariance qwen2.5-coder-1.5b --attn sdpa,invariant``), so
 greedy speculative output is the target's token for token, near-ties included.
 
@@ -39,6 +44,8 @@ import os
 import platform
 
 import torch
+
+from edge_sdk.row_attention import invariant_pass
 
 __all__ = ["INVARIANT_MAX_ROWS", "make_row_invariant", "invariant_rows", "row_limit"]
 
@@ -87,8 +94,6 @@ class _RowInvariantLinear:
     specrelay_pieces = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from edge_sdk.row_attention import invariant_pass
-
         m = x.shape[:-1].numel()
         if x.dim() >= 2 and m == 1:
             return super().forward(torch.cat([x, x], dim=-2)).narrow(-2, 0, 1)
@@ -97,8 +102,7 @@ class _RowInvariantLinear:
         flat = x.reshape(m, x.shape[-1])
         n = -(-m // self.specrelay_rows)
         sizes = [m // n + (i < m % n) for i in range(n)]
-        out = torch.cat([super(_RowInvariantLinear, self).forward(p)
-                         for p in flat.split(sizes)])
+        out = torch.cat([_base_forward(self, p) for p in flat.split(sizes)])
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -119,7 +123,7 @@ def make_row_invariant(model: torch.nn.Module, max_rows: int = INVARIANT_MAX_ROW
     its linear layers (``nn.Linear`` and :class:`edge_sdk.packed.PackedLinear`, found as
     modules with ``in_features``/``out_features``) run one-row inputs as two rows and,
     in such passes, more rows than their kernels keep row-invariant (:func:`row_limit`,
-    checked once per layer shape and machine: ~3-5 s for a 1.5B model, mostly its
+    checked once per layer shape and machine: ~5 s for a 1.5B model, mostly its
     152k-row LM head, then read from ``row_limits.json`` in the cache) in pieces;
     :class:`edge_sdk.kvmodel.KVModel` routes such passes through per-token attention.
     Weights, ``state_dict`` and ``isinstance`` checks are unchanged. Returns ``model``.
@@ -127,9 +131,10 @@ def make_row_invariant(model: torch.nn.Module, max_rows: int = INVARIANT_MAX_ROW
     ``pieces=False`` skips the pieces: a batched pass of more rows than a layer keeps
     row-invariant (27 on Qwen2.5-Coder-1.5B's down-projection here) then costs what it
     did, and its rows follow the near-tie policy instead. The pieces cost a weight
-    stream each: a pass of 8 sessions x 5 tokens ~860 ms against ~505-750 ms without
-    (``python -m bench.probes.pass_cost qwen2.5-coder-1.5b bfloat16 5 8``); passes of
-    up to 27 rows, every single-session verify pass among them, cost the same either way.
+    stream each: a pass of 8 sessions x 5 tokens 609-638 ms against 505-749 ms without,
+    8 x 9 1.02 s against 0.57-0.79 s (``python -m bench.probes.pass_cost
+    qwen2.5-coder-1.5b bfloat16 5,9 8 1``, last argument 0: without); passes of up to 27
+    rows, every single-session verify pass among them, cost the same either way.
 
     A model with sliding-window attention layers is left as it is (row attention
     refuses them: their cache keeps only the window, so a rejected draft cannot be
@@ -144,10 +149,11 @@ def make_row_invariant(model: torch.nn.Module, max_rows: int = INVARIANT_MAX_ROW
         return model
     known = _load_limits()
     found: dict[str, int] = {}
+    machine = _machine_key()
     for mod in model.modules():
         if hasattr(mod, "in_features") and hasattr(mod, "out_features"):
             mod.__class__ = _invariant_class(type(mod))
-            key = _limit_key(mod)
+            key = _limit_key(mod, machine)
             if key not in found:             # same shape, same kernels: checked once
                 found[key] = known[key] if key in known else row_limit(mod)
             mod.specrelay_rows = found[key]
@@ -168,19 +174,24 @@ def _sliding(cfg) -> bool:
                                                                       None))
 
 
-def _limit_key(mod: torch.nn.Module) -> str:
-    """What a layer's kernels depend on: its type, shape, weight layout, bias and dtype,
-    the torch build, the CPU and the thread count."""
+def _machine_key() -> str:
+    """What the kernels depend on beyond the layer: the torch build, the CPU (its
+    feature flags) and the thread count."""
     from edge_sdk.models import cpu_flags
 
     cpu = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return (f"torch={torch.__version__}|{platform.machine()}:{cpu}|"
+            f"threads={torch.get_num_threads()}|upto={CALIBRATE_ROWS}")
+
+
+def _limit_key(mod: torch.nn.Module, machine: str) -> str:
+    """What a layer's kernels depend on: its type, shape, weight layout, bias and dtype,
+    and ``machine`` (:func:`_machine_key`)."""
     dtypes = ",".join(str(p.dtype) for p in mod.parameters())
     w = getattr(mod, "weight", None)
     layout = tuple(w.stride()) if isinstance(w, torch.Tensor) else "packed"
     return (f"{type(mod).__name__}|{mod.in_features}x{mod.out_features}|{layout}|"
-            f"bias={getattr(mod, 'bias', None) is not None}|{dtypes}|torch={torch.__version__}"
-            f"|{platform.machine()}:{cpu}|threads={torch.get_num_threads()}|"
-            f"upto={CALIBRATE_ROWS}")
+            f"bias={getattr(mod, 'bias', None) is not None}|{dtypes}|{machine}")
 
 
 def _limits_path():

@@ -100,21 +100,7 @@ class KVModel:
     def _forward_rows(self, new_ids: Sequence[int], tree, last: int | None
                       ) -> torch.Tensor:
         """:meth:`forward` through :mod:`edge_sdk.row_attention`, one token at a time."""
-        P, t = len(self.ids), len(new_ids)
-        off = torch.arange(t) if tree is None else torch.as_tensor(tree.offsets)
-        kw = {"logits_to_keep": last} if last is not None and last < t else {}
-        rows = RowBatch([self], [t], [tree], invariant=t)
-        try:
-            with row_attention_pass(self.model, rows):
-                out = self.model(input_ids=torch.tensor([list(new_ids)], dtype=torch.long),
-                                 position_ids=(P + off)[None], cache=rows, use_cache=True,
-                                 **kw)
-        except BaseException:
-            self.rebuild()
-            raise
-        self.ids.extend(int(x) for x in new_ids)
-        self.check()
-        return out.logits[0].float()
+        return _row_pass([self], [new_ids], [tree], len(new_ids), last)[0]
 
     def keep(self, n: int, extra: Sequence[int] = ()) -> None:
         """Keep the first ``n`` cached tokens plus the entries at indices ``extra``
@@ -201,6 +187,16 @@ def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]],
     if trees is not None and any(t is not None and t.rows != len(n)
                                  for t, n in zip(trees, news)):
         raise ValueError("a tree's rows differ from its row's new tokens")
+    return _row_pass(kvs, news, trees, invariant_rows(kvs[0].model))
+
+
+def _row_pass(kvs: Sequence[KVModel], news: Sequence[Sequence[int]], trees,
+              invariant: int, last: int | None = None) -> list[torch.Tensor]:
+    """One pass of ``news[b]`` after ``kvs[b]`` through :mod:`edge_sdk.row_attention`
+    (rows packed, [1, sum T_b]; rows of at most ``invariant`` tokens one token at a
+    time). ``last``: logits of the last ``last`` packed rows only (a single row's
+    prefill). Returns float32 logits per row. On failure every cache is dropped (refilled
+    lazily): some layers may hold this pass's entries."""
     T = [len(n) for n in news]
     ids = torch.tensor([[int(t) for n in news for t in n]], dtype=torch.long)
     pos = []
@@ -210,19 +206,19 @@ def batched_forward(kvs: Sequence[KVModel], news: Sequence[Sequence[int]],
         pos.append(len(kv.ids) + off)
     pos = torch.cat(pos)[None]
     model = kvs[0].model
-    rows = RowBatch(kvs, T, trees, invariant=invariant_rows(model))
+    rows = RowBatch(kvs, T, trees, invariant=invariant)
+    kw = {"logits_to_keep": last} if last is not None and last < sum(T) else {}
     try:
         with row_attention_pass(model, rows):
-            logits = model(input_ids=ids, position_ids=pos, cache=rows,
-                           use_cache=True).logits
+            logits = model(input_ids=ids, position_ids=pos, cache=rows, use_cache=True,
+                           **kw).logits
     except BaseException:
-        for kv in kvs:   # some layers may hold this pass's entries: refill lazily
+        for kv in kvs:
             kv.rebuild()
         raise
-    out, a = [], 0
-    for kv, new, t in zip(kvs, news, T):
+    for kv, new in zip(kvs, news):
         kv.ids.extend(int(x) for x in new)
         kv.check()
-        out.append(logits[0, a:a + t].float())
-        a += t
-    return out
+    if kw:                                     # one row, its last ``last`` rows only
+        return [logits[0].float()]
+    return [logits[0, a:a + t].float() for a, t in zip(rows.starts, T)]

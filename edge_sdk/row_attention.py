@@ -68,6 +68,7 @@ class RowBatch:
         self.past = [len(k.ids) for k in self.kvs]
         self.trees = list(trees) if trees is not None else [None] * len(self.kvs)
         self.invariant = int(invariant)
+        self.all_per_token = all(t <= self.invariant for t in self.lengths)
         self._masks: dict = {}
         self._seen: dict = {}
 
@@ -141,7 +142,7 @@ def invariant_pass() -> bool:
     time (a row-invariant pass: :mod:`edge_sdk.invariant`'s linears then keep their
     pieces within the row counts their kernels compute alike)."""
     rows = getattr(_active, "rows", None)
-    return rows is not None and all(rows.per_token(b) for b in range(len(rows.kvs)))
+    return rows is not None and rows.all_per_token
 
 
 def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
