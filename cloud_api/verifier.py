@@ -81,7 +81,8 @@ class Verifier:
     609-638 ms against 505-749, x 9 1.02 s against 0.57-0.79 s); ``"fast"``: no pieces, such large batched passes follow the
     near-tie policy; ``"off"``: the model's own kernels; None: ``$SPECRELAY_ROW_INVARIANT``
     or ``"exact"``. A single session's chain costs about the same either way, a 16-row
-    sibling tree ~5-9 % more (``python -m bench.shape_invariance``).
+    sibling tree ~5-9 % more (``python -m bench.shape_invariance``, ``python -m
+    bench.probes.tree_cost``).
     """
 
     supports_trees = True
