@@ -55,16 +55,27 @@ async def _run_cell(mode_cls, ctx: EdgeContext, reqs, on_done,
             sink.update(getattr(mode, "cell_metrics", None) or {})
 
 
-def warmup(sh: Shared, mode_classes, reqs: dict) -> None:
-    """One short, unmeasured request per mode straight to the server (warms kernels,
-    allocators and HTTP connections on both sides)."""
+def warmup(sh: Shared, mode_classes, reqs: dict) -> dict[str, float]:
+    """One short, unmeasured request straight to the server per warm-up group of
+    ``mode_classes`` (:meth:`~bench.modes.base.BenchMode.warmup_key` and the mode's
+    options): warms kernels, allocators, HTTP connections and engines loaded on first use
+    on both sides, once for every code path the modes measure. Returns the seconds each
+    warmed mode took, by mode name."""
+    import time
+
     cfg = sh.cfg
     first = next(iter(reqs.values()))
     if not first:
-        return
+        return {}
     req = dataclasses.replace(first[0], prompt_ids=first[0].prompt_ids[-32:])
     prof = Profile("warmup", None, None)
+    seen, took = set(), {}
     for mcls in mode_classes:
+        opts = dict(cfg.mode_options.get(mcls.name, {}))
+        key = (mcls.warmup_key(), json.dumps(opts, sort_keys=True, default=repr))
+        if key in seen:
+            continue
+        seen.add(key)
         samp = cfg.sampling[0]
         if getattr(mcls, "greedy_only", False):          # wisv: its greedy cells only
             if "greedy" not in sh.samplings:
@@ -72,9 +83,11 @@ def warmup(sh: Shared, mode_classes, reqs: dict) -> None:
             samp = "greedy"
         ctx = EdgeContext(sh.cloud.url, sh.tok, sh.base_drafter if mcls.needs_drafter else None,
                           sh.signer, prof, sh.samplings[samp],
-                          min(4, cfg.max_new_tokens), cfg.depth, None,
-                          dict(cfg.mode_options.get(mcls.name, {})))
+                          min(4, cfg.max_new_tokens), cfg.depth, None, opts)
+        t0 = time.perf_counter()
         asyncio.run(_run_cell(mcls, ctx, [req], None))
+        took[mcls.name] = time.perf_counter() - t0
+    return took
 
 
 def _digest(ids: Sequence[int]) -> str:

@@ -43,13 +43,13 @@ def _cpus(value: str | None) -> list[int] | None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out",
               show_default=True, help="Output folder: results.json, summary.md, *.png, "
               "requests.jsonl.")
-@click.option("--quick", is_flag=True, help="A 10-18-minute run (2 quiet cores) of 4 "
-              "greedy HumanEval prompts x 32 tokens per cell: cloud-ar, standard-sd and "
-              "the llama.cpp peers on medium; the SDK's default (sr-paced), caac, "
-              "fixed-3/5, stop-and-wait, ipdg, ipdg-skip and npdg on medium and "
-              "medium+slow (3x slower draft from 3 s into each run); the pipeline and its "
-              "baselines at 8 concurrent requests x 32 tokens, depth 1, on weak. Explicit "
-              "options override these.")
+@click.option("--quick", is_flag=True, help="A ~10-minute run (2 quiet cores) of 4 "
+              "greedy HumanEval prompts x 32 tokens per cell: cloud-ar, standard-sd, the "
+              "SDK's default (sr-paced) and the llama.cpp peers on medium; caac and "
+              "stop-and-wait on medium and medium+slow (3x slower draft from 3 s into "
+              "each run); fixed-3, ipdg, ipdg-skip and npdg on medium+slow; the pipeline and "
+              "no-pipeline at 8 concurrent requests x 32 tokens, depth 1, on weak. "
+              "Explicit options override these.")
 @click.option("--modes", default=None, help="Comma list of modes "
               f"[default: {_DEFAULTS['modes']}]. See --list-modes.")
 @click.option("--profiles", default=None,

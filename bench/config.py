@@ -94,12 +94,12 @@ class BenchConfig:
     mode_workloads: dict | None = None
 
 
-_QUICK_BASIC = ["cloud-ar", "standard-sd"]
-_QUICK_ADAPTIVE = ["sr-paced", "caac", "fixed-3", "fixed-5"]   # medium and medium+slow
-_QUICK_PROACTIVE = ["stop-and-wait", "ipdg", "ipdg-skip", "npdg"]   # both, at --depth
-_QUICK_PEERS = ["llamacpp-ar", "llamacpp-spec"]
-_QUICK_CONCURRENT = ["pipeline", "no-pipeline", "runahead", "standard-sd-concurrent"]
-QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PEERS
+_QUICK_BASIC = ["cloud-ar", "standard-sd", "sr-paced"]       # medium
+_QUICK_FIXED = ["caac", "stop-and-wait"]                      # medium and medium+slow
+_QUICK_SLOW = ["fixed-3", "ipdg", "ipdg-skip", "npdg"]          # medium+slow, at --depth
+_QUICK_PEERS = ["llamacpp-ar", "llamacpp-spec"]               # medium
+_QUICK_CONCURRENT = ["pipeline", "no-pipeline"]               # weak, 8 requests
+QUICK = dict(modes=_QUICK_BASIC + _QUICK_FIXED + _QUICK_SLOW + _QUICK_PEERS
              + _QUICK_CONCURRENT,
              profiles=["medium", "medium+slow", "weak"],
              workloads=["humaneval"],
@@ -108,21 +108,28 @@ QUICK = dict(modes=_QUICK_BASIC + _QUICK_ADAPTIVE + _QUICK_PROACTIVE + _QUICK_PE
              concurrent_max_new_tokens=32, concurrent_depth=1,
              edge_slowdown=3.0, slowdown_at_s=3.0,
              mode_profiles={**{m: ["medium"] for m in _QUICK_BASIC + _QUICK_PEERS},
-                            **{m: ["medium", "medium+slow"]
-                               for m in _QUICK_ADAPTIVE + _QUICK_PROACTIVE}},
+                            **{m: ["medium", "medium+slow"] for m in _QUICK_FIXED},
+                            **{m: ["medium+slow"] for m in _QUICK_SLOW}},
              mode_workloads=None)
 """``--quick`` settings (the default pair; 4 greedy HumanEval prompts x 32 tokens per
-cell; 9.8 minutes measured on a 2-core EPYC at depth 8, 16.8 on a 2-core AMX Xeon). The
-target alone (``cloud-ar``), ``standard-sd`` and the llama.cpp peers on ``medium``; the
-SDK's default (``sr-paced``: the paced depth + IPDG + blocks sent ahead), CAAC, fixed
-depths 3 and 5, and IPDG (also skipping branches predicted to miss: ``ipdg-skip``) /
-NPDG / stop-and-wait (at ``--depth``), on ``medium`` and
-``medium+slow`` (3x slower draft forwards from 3 s into each run: where a verdict can
-arrive while a proactive branch is still being drafted, so IPDG's interruption acts);
-the confirmed-prefix pipeline and its baselines at 8 concurrent requests x 32 tokens
-(16 before 2026-12-06: the 8 prompts' prefills, ~9 s of one cloud core for every mode,
-were half the makespan), depth 1, on ``weak``. Ratio rows: uplink vs standard-sd and
-throughput vs cloud-ar (the SDK's default), sr-paced and caac vs best-fixed, ipdg and
-ipdg-skip vs npdg / stop-and-wait, pipeline vs the strongest baseline, and each peer's
-speculative gain. ``specrelay`` (stop-and-wait at ``--depth``) is the ``stop-and-wait``
-row here: the same client, not run twice."""
+cell, 15 cells). On ``medium``: the target alone (``cloud-ar``), ``standard-sd``, the
+SDK's default (``sr-paced``: the paced depth + IPDG + blocks sent ahead) and the
+llama.cpp peers. On ``medium`` and ``medium+slow`` (3x slower draft forwards from 3 s
+into each run): CAAC and stop-and-wait at ``--depth`` (on ``medium`` the best fixed
+depth in every run on this pair: fixed depths 3 and 5 measured 0.79-0.92x of it). On
+``medium+slow`` only: fixed depth 3 (the best fixed depth there in one run of three),
+IPDG (also skipping branches predicted to miss: ``ipdg-skip``) and NPDG at ``--depth`` --
+only there can a verdict arrive while a proactive branch is still being drafted, so only
+there does IPDG's interruption act (on ``medium`` every proactive branch is finished
+before its verdict: IPDG/NPDG 0.99-1.01x there). The confirmed-prefix pipeline and its
+strongest baseline, ``no-pipeline`` (the strongest in 3 of the 4 runs with all three on
+this pair; ``runahead`` was 2 % above it in the fourth and 1-3 % below in the others,
+``standard-sd-concurrent`` the weakest in all four), at 8 concurrent requests x 32
+tokens, depth 1, on ``weak``. Ratio rows: uplink vs standard-sd and throughput vs
+cloud-ar (the SDK's default), caac vs best-fixed, ipdg and ipdg-skip vs npdg /
+stop-and-wait, pipeline vs the strongest baseline, and each peer's speculative gain.
+Until 2026-12-06 it also ran fixed depths 3 and 5 on ``medium``, sr-paced and the
+proactive modes on the other profile, ``runahead`` and ``standard-sd-concurrent`` (24
+cells, 14.9 min on a 2-core AMX Xeon); ``--modes`` and ``--profiles`` still run any of
+them. ``specrelay`` (stop-and-wait at ``--depth``) is the ``stop-and-wait`` row here: the
+same client, not run twice. Its wall time on that box: see the README."""

@@ -176,7 +176,11 @@ def _measure(run: _Run, cloud: CloudServerProcess, progress: bool,
                     base_drafter, slowed, contended,
                     int(info.get("max_batch", cfg.server_kw.get("max_batch", 8))))
     if cfg.warmup:
-        warmup(shared, run.mode_classes, reqs)
+        t0 = time.perf_counter()
+        took = warmup(shared, run.mode_classes, reqs)
+        log(f"warm-up: {len(took)} requests for {len(run.mode_classes)} modes in "
+            f"{time.perf_counter() - t0:.1f} s ("
+            + ", ".join(f"{m} {s:.1f}" for m, s in took.items()) + ")")
     cells = plan_cells(cfg, run.mode_classes, run.profiles, pairs, run.prompt_sets, tok, reqs)
     runs, records = measure_cells(shared, run.profiles, cells, progress)
     return runs, records, {"factor": factor, "contended": contended,

@@ -137,16 +137,21 @@ def test_proactive_timing_and_depths():
 
 
 def test_quick_preset_has_the_adaptive_group():
-    # caac vs best-fixed, and ipdg vs npdg / stop-and-wait (same depth), with and without
-    # the mid-run edge slowdown under which IPDG's interruption acts (RAPID)
-    # the SDK's default (sr-paced) in both, against cloud-ar and the best fixed depth
-    for m in ("sr-paced", "caac", "fixed-3", "fixed-5", "ipdg", "ipdg-skip", "npdg",
-              "stop-and-wait"):
+    # caac vs best-fixed with and without the mid-run edge slowdown; ipdg vs npdg /
+    # stop-and-wait (same depth) under the slowdown, where IPDG's interruption acts (RAPID);
+    # the SDK's default (sr-paced) against cloud-ar, standard-sd and the peers
+    from bench.report.ratios import FIXED_MODES
+
+    for m in ("caac", "stop-and-wait"):
         assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium", "medium+slow"]
-    for m in ("cloud-ar", "standard-sd", "llamacpp-ar", "llamacpp-spec"):
+    for m in ("fixed-3", "ipdg", "ipdg-skip", "npdg"):
+        assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium+slow"]
+    for m in ("cloud-ar", "standard-sd", "sr-paced", "llamacpp-ar", "llamacpp-spec"):
         assert m in QUICK["modes"] and QUICK["mode_profiles"][m] == ["medium"]
     assert len(QUICK["modes"]) == len(set(QUICK["modes"]))
-    assert sum(m.startswith("fixed-") for m in QUICK["modes"]) >= 2
+    # best-fixed has a choice where the depth that wins moves (under the slowdown)
+    assert sum(m in FIXED_MODES and "medium+slow" in QUICK["mode_profiles"][m]
+               for m in QUICK["modes"]) >= 2
     assert QUICK["prompts"] >= 4 and QUICK["max_new_tokens"] >= 32
     assert QUICK["edge_slowdown"] > 1 and QUICK["slowdown_at_s"] > 0
     assert {"medium", "medium+slow"} <= set(QUICK["profiles"])
@@ -234,3 +239,20 @@ def test_adaptive_group_through_the_runner(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "## Adaptive drafting" in summary and "Best fixed depth" in summary
     assert os.path.exists(tmp_path / "requests.jsonl")
+
+
+def test_warmup_groups_share_one_request_per_code_path():
+    # modes that differ only in a depth or proactive policy share a warm-up request;
+    # a different protocol, drafting mechanism or engine gets its own
+    from bench.modes import MODES
+
+    key = {n: MODES[n].warmup_key() for n in (
+        "caac", "fixed-3", "stop-and-wait", "ipdg", "ipdg-skip", "npdg", "sr-paced",
+        "standard-sd", "cloud-ar", "llamacpp-ar", "llamacpp-spec", "pipeline", "no-pipeline",
+        "runahead", "fsd", "wisv")}
+    assert key["caac"] == key["fixed-3"] == key["stop-and-wait"]
+    assert key["ipdg"] == key["ipdg-skip"]
+    groups = {key[n] for n in ("caac", "ipdg", "npdg", "sr-paced", "standard-sd",
+                               "cloud-ar", "llamacpp-ar", "llamacpp-spec", "pipeline",
+                               "no-pipeline", "runahead", "fsd", "wisv")}
+    assert len(groups) == 13

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Hashable, Sequence
 
 from bench.linkem.profiles import Profile
 from edge_sdk.protocol.sampling import SamplingConfig
@@ -115,6 +115,13 @@ class BenchMode(ABC):
     @classmethod
     def teardown_run(cls) -> None:
         """Once per bench run, after the last cell: free what the run's cells shared."""
+
+    @classmethod
+    def warmup_key(cls) -> Hashable:
+        """What the bench's one unmeasured warm-up request is shared by: modes with equal
+        keys run the same code on both sides (only a policy differs), so one warm-up
+        serves them all. Default: the mode's own name (every mode warmed)."""
+        return cls.name
 
     @classmethod
     def run_metrics(cls, per_request: Sequence[dict]) -> dict:

@@ -5,7 +5,7 @@ hook (``metrics["round_trace"]``). Registers no mode itself (the families:
 :mod:`bench.modes.adaptive`)."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Hashable
 
 from bench.modes.base import BenchMode, BenchRequest, RequestRecord
 from bench.modes.measure import LinkMeter, RecordingTransport, breakdown
@@ -30,6 +30,22 @@ class EdgeClientMode(BenchMode):
     fixed_depth: ClassVar[int | None] = None
     ngram: ClassVar[bool] = False
     link_from_profile: ClassVar[bool] = False
+
+    POLICY_KW: ClassVar[frozenset] = frozenset({"controller", "controller_kw",
+                                                "proactive_min_hit"})
+    """``client_kw`` keys that only choose a depth or whether to draft ahead: modes that
+    differ in them alone share a warm-up request."""
+
+    @classmethod
+    def warmup_key(cls) -> Hashable:
+        """The protocol, the drafting mechanism (proactive kind, sibling trees, sending
+        ahead, n-gram fronting, early verdicts, the reported link) and every
+        ``client_kw`` option but the depth and proactive policies (:attr:`POLICY_KW`):
+        caac, fixed-N and stop-and-wait share one warm-up, ipdg and ipdg-skip another."""
+        kw = tuple(sorted((k, repr(v)) for k, v in cls.client_kw.items()
+                          if k not in cls.POLICY_KW))
+        return ("edge-client", cls.client_mode, kw, cls.ngram, cls.link_from_profile,
+                cls.early_exit)
 
     async def open(self) -> None:
         from edge_sdk.client import EdgeClient
