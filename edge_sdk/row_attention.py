@@ -102,36 +102,35 @@ class RowBatch:
         """Whether row b attends one new token at a time (row-invariant)."""
         return self.lengths[b] <= self.invariant
 
-    def seen(self, b: int, i: int) -> tuple[int, tuple]:
-        """``(n, swaps)``: new token i of row b attends to n cache entries, the first n
-        once the entry pairs in ``swaps`` are exchanged (none for a causal row; a tree
-        node whose ancestors do not precede it contiguously brings itself and them
-        forward, in order, so that it reads the past, its ancestors and itself as the
-        first n entries, as a 1-token decode of its path does). Built once per pass."""
+    def seen(self, b: int, i: int) -> tuple[int, int, torch.Tensor | None]:
+        """``(n, pre, extra)``: new token i of row b attends to n cache entries, the
+        first ``pre`` of the cache followed by the entries at the indices ``extra``
+        (LongTensor, None when ``pre == n``). A causal row reads a prefix; a tree node
+        whose ancestors do not precede it contiguously reads the past, its ancestors
+        and itself in order, as a 1-token decode of its path does. Built once per
+        pass."""
         if (b, i) not in self._seen:
             L, tree = self.past[b], self.trees[b]
             if tree is None:
-                v = (L + i + 1, ())
+                v = (L + i + 1, L + i + 1, None)
             else:
                 cols = (L + torch.nonzero(torch.as_tensor(tree.attn[i])).flatten()).tolist()
-                n = L + len(cols)
-                v = (n, tuple((L + j, c) for j, c in enumerate(cols) if c != L + j))
+                p = 0
+                while p < len(cols) and cols[p] == L + p:
+                    p += 1
+                v = (L + len(cols), L + p,
+                     torch.tensor(cols[p:], dtype=torch.long) if p < len(cols) else None)
             self._seen[(b, i)] = v
         return self._seen[(b, i)]
 
 
-def _swap(t: torch.Tensor, pairs: tuple) -> None:
-    """Exchange entries a and c along the sequence axis of ``t`` [1, H, N, D], in place,
-    for each (a, c) in ``pairs`` in order (disjoint pairs, as a sibling tree's: one
-    gather and one write)."""
-    if not pairs:
-        return
-    a = [p[0] for p in pairs] + [p[1] for p in pairs]
-    if len(set(a)) == len(a):
-        t[:, :, a] = t[:, :, [p[1] for p in pairs] + [p[0] for p in pairs]]
-        return
-    for x, y in pairs:
-        t[:, :, [x, y]] = t[:, :, [y, x]]
+def _visible(t: torch.Tensor, n: int, pre: int, extra: torch.Tensor | None) -> torch.Tensor:
+    """The n entries a token reads along the sequence axis of ``t`` [1, H, N, D]: a
+    view of the first n, or (a tree node apart from its ancestors) a copy of the first
+    ``pre`` followed by the entries at ``extra`` -- the cache itself is not touched."""
+    if extra is None:
+        return t[:, :, :n]
+    return torch.cat((t[:, :, :pre], t.index_select(2, extra)), dim=2)
 
 
 _active = threading.local()      # .rows: the RowBatch of the pass this thread runs
@@ -162,8 +161,7 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
 
     A row with :meth:`RowBatch.per_token` runs one SDPA call per new token instead:
     query [1, Hkv, Hq/Hkv, D] over its :meth:`RowBatch.seen` keys (a tree node's
-    ancestors and itself swapped in place to follow its past for the call, and back),
-    no mask."""
+    ancestors and itself gathered after its past for the call), no mask."""
     rows = getattr(_active, "rows", None)
     if rows is None:
         raise RuntimeError("row_attention runs inside row_attention_pass only")
@@ -179,15 +177,12 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         g = Hq // Hkv
         if rows.per_token(b):
             for i in range(t):
-                n, swaps = rows.seen(b, i)
-                _swap(k, swaps)
-                _swap(v, swaps)
+                n, pre, extra = rows.seen(b, i)
                 q = query[:, :, a + i].reshape(1, Hkv, g, D)
-                o = F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n],
+                o = F.scaled_dot_product_attention(q, _visible(k, n, pre, extra),
+                                                   _visible(v, n, pre, extra),
                                                    scale=scaling)
                 out[0, a + i] = o.reshape(Hq, D)
-                _swap(k, swaps[::-1])                 # the cache back as it was
-                _swap(v, swaps[::-1])
             continue
         q = query[:, :, a:a + t].reshape(1, Hkv, g * t, D)
         m = rows.mask(b, g)                                   # [1, 1, g*t, n]

@@ -187,7 +187,7 @@ def test_sliding_window_models_are_left_alone():
 
 def test_a_deep_tree_node_reads_its_ancestors_in_order(model):
     """A general tree (not a sibling tree): row 3's ancestors are rows 0 and 2, row 4's
-    rows 0, 2 and 3 (entries out of place that overlap when brought forward); each row
+    rows 0, 2 and 3 (entries out of place, gathered after the past in order); each row
     is its path decoded alone, and the cache is left as the pass wrote it."""
     from edge_sdk.protocol.tree import TreeLayout
 

@@ -7,7 +7,8 @@ Prints, on one thread after a CONTEXT-token prefill (default 400), the milliseco
 (sorted, five runs) of one pass of a 9- and a 16-token chain and of a 16-row sibling
 tree (a depth-8 chain plus one sibling at each of its first 7 depths), first with the
 model's own kernels, then row-invariant (:mod:`edge_sdk.invariant`: each token's own
-attention call, a sibling's cache entry swapped next to its ancestors for it).
+attention call, a sibling reading a copy of its past and ancestors followed by its own
+entry).
 """
 
 from __future__ import annotations
