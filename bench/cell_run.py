@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -61,8 +62,6 @@ def warmup(sh: Shared, mode_classes, reqs: dict) -> dict[str, float]:
     options): warms kernels, allocators, HTTP connections and engines loaded on first use
     on both sides, once for every code path the modes measure. Returns the seconds each
     warmed mode took, by mode name."""
-    import time
-
     cfg = sh.cfg
     first = next(iter(reqs.values()))
     if not first:

@@ -78,11 +78,11 @@ class Verifier:
     bit those of the target decoding alone, so greedy output is the target's even at
     near-ties in bf16. ``"exact"`` (default): every verify pass, batched passes of more
     rows than the kernels keep alike run their linears in pieces (8 sessions x 5 tokens
-    609-638 ms against 505-749, x 9 1.02 s against 0.57-0.79 s); ``"fast"``: no pieces, such large batched passes follow the
-    near-tie policy; ``"off"``: the model's own kernels; None: ``$SPECRELAY_ROW_INVARIANT``
-    or ``"exact"``. A single session's chain costs about the same either way, a 16-row
-    sibling tree ~5-9 % more (``python -m bench.shape_invariance``, ``python -m
-    bench.probes.tree_cost``).
+    609-638 ms against 505-749, x 9 1.02 s against 0.57-0.79 s); ``"fast"``: no pieces,
+    such large batched passes follow the near-tie policy; ``"off"``: the model's own
+    kernels; None: ``$SPECRELAY_ROW_INVARIANT`` or ``"exact"``. A single session's
+    9-token pass costs ~1-3 % more, a 16-row one (chain or sibling tree) ~7-9 % more:
+    its per-token attention calls (``python -m bench.probes.tree_cost``).
     """
 
     supports_trees = True
