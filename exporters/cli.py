@@ -101,6 +101,9 @@ def _summary(man: dict, out: Path) -> dict:
               help="torch / onnxruntime intra-op threads (default: all cores)")
 @click.option("--int4-block-size", type=int, default=32, show_default=True,
               help="weights per int4 / int8 scale")
+@click.option("--int4-head-block-size", type=int, default=128, show_default=True,
+              help="weights per scale of the int4 graph's LM head (the first-use "
+              "export's setting: ~12 %% faster decode than 32, same agreement)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="dtype the model is loaded in; the graph is always "
               "traced in float32 (bfloat16: the bf16 draft's exact weights, widened, and "
@@ -111,7 +114,7 @@ def _summary(man: dict, out: Path) -> dict:
               "own attention (K and V repeated per query head, slower on long contexts)")
 @click.option("--verbose", is_flag=True, help="show the torch.onnx exporter's output")
 def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int4_block_size,
-             dtype, attention, verbose):
+             int4_head_block_size, dtype, attention, verbose):
     """Export MODEL to ONNX with KV-cache inputs/outputs (optimum naming).
 
     MODEL is a model spec (qwen2.5-coder-0.5b, smollm2-135m, smollm2-135m@4 = first 4
@@ -143,7 +146,8 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
         man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, int8=int8,
                           parity=not no_parity,
                           parity_steps=steps, prompts=prompts, source=model,
-                          int4_block_size=int4_block_size, threads=threads, verbose=verbose,
+                          int4_block_size=int4_block_size,
+                          int4_head_block_size=int4_head_block_size, threads=threads, verbose=verbose,
                           attention=attention)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None

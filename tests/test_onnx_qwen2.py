@@ -13,10 +13,11 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from edge_sdk.drafters.onnx import OnnxDrafter
+from edge_sdk.drafters.onnx import OnnxDrafter, OnnxRunner
 from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.protocol.sampling import SamplingConfig
 from exporters.onnx.export import export_onnx
@@ -122,6 +123,37 @@ def test_qwen2_untied_head_int4_with_8bit_head(tmp_path):
     info4 = quantize_int4(tmp_path / "model.onnx", tmp_path / "q4" / "model.onnx",
                           lm_head=False)
     assert info4["quantized_matmuls"] == 7 * LAYERS and info4["lm_head_bits"] is None
+
+
+def test_int4_head_with_its_own_block_size(tmp_path):
+    """``lm_head_block_size``: the LM head's MatMulNBits has its own weights per scale
+    (the first-use int4 export's 128), every decoder-layer MatMul keeps ``block_size``;
+    the quantised graph still drafts (finite logits, the cache grows); a block size
+    that is not a power of 2 >= 16 is refused before anything is written."""
+    import onnx
+
+    m = tiny_qwen2(seed=5, tie=False)
+    export_graph(m, tmp_path / "model.onnx")
+    info = quantize_int4(tmp_path / "model.onnx", tmp_path / "q" / "model.onnx",
+                         block_size=16, lm_head_block_size=32)
+    assert info["block_size"] == 16 and info["lm_head_block_size"] == 32
+    assert info["quantized_matmuls"] == 7 * LAYERS + 1 and info["int8_matmuls"] == 0
+    g = onnx.load(str(tmp_path / "q" / "model.onnx"), load_external_data=False).graph
+    blocks = {}
+    for n in g.node:
+        if n.op_type == "MatMulNBits":
+            size = next(a.i for a in n.attribute if a.name == "block_size")
+            blocks.setdefault(size, []).append(n)
+    assert sorted((k, len(v)) for k, v in blocks.items()) == [(16, 7 * LAYERS), (32, 1)]
+    (head,) = blocks[32]
+    assert list(head.output) == ["logits"]
+    r = OnnxRunner(tmp_path / "q" / "model.onnx", threads=1)
+    logits = r.forward_np([3, 4, 5], last=1)
+    assert logits.shape == (1, VOCAB) and np.isfinite(logits).all() and r.cache_len() == 3
+    with pytest.raises(ValueError, match="lm_head_block_size must be a power of 2"):
+        quantize_int4(tmp_path / "model.onnx", tmp_path / "bad" / "model.onnx",
+                      lm_head_block_size=48)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_qwen2_sliding_window_config_exports_full_cache(tmp_path):

@@ -59,7 +59,7 @@ ONNX_VARIANTS = {
     "fp32": {},
     "int8": {"bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4},
     "int4": {"bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4,
-             "lm_head_bits": 4},
+             "lm_head_bits": 4, "lm_head_block_size": 128},
 }
 #: 2: graphs take ``logits_to_keep`` (a prefill runs the LM head on its last row only).
 #: 3: grouped-query attention traced without repeating K and V per query head.

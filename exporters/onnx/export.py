@@ -64,12 +64,12 @@ def _fp16_variant(model, out: Path, opset: int, source, verbose: bool,
 
 
 def _quantized_variant(model, path: Path, out: Path, name: str, opset: int, source,
-                       block_size: int, attention: str) -> dict:
-    """Quantise the float32 graph ``path`` into ``out/<name>`` (``int4`` / ``int8``);
-    returns its manifest (with ``quantization``)."""
+                       qopts: dict, attention: str) -> dict:
+    """Quantise the float32 graph ``path`` into ``out/<name>`` (``int4`` / ``int8``,
+    with ``qopts[name]``'s settings); returns its manifest (with ``quantization``)."""
     t1 = time.perf_counter()
     vdir = out / name
-    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, block_size=block_size)
+    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, **qopts[name])
     vm = manifest_for(model, dtype=name, kv_dtype="float32", opset=opset, source=source,
                       external=_has_data(vdir), attention=attention)
     vm["quantization"] = qinfo
@@ -78,14 +78,14 @@ def _quantized_variant(model, path: Path, out: Path, name: str, opset: int, sour
 
 
 def _variants(model, path: Path, out: Path, names: list[str], opset: int, source,
-              verbose: bool, block_size: int, attention: str) -> dict:
+              verbose: bool, qopts: dict, attention: str) -> dict:
     """Variant name (``fp16``, ``int4``, ``int8``, in that order) -> its manifest, each
     written into ``out/<name>``."""
     variants = {}
     for name in names:
         variants[name] = (
             _fp16_variant(model, out, opset, source, verbose, attention) if name == "fp16"
-            else _quantized_variant(model, path, out, name, opset, source, block_size,
+            else _quantized_variant(model, path, out, name, opset, source, qopts,
                                     attention))
     return variants
 
@@ -108,7 +108,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 parity: bool = True,
                 parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
                 source: str | None = None, int4_block_size: int = 32,
-                threads: int | None = None, verbose: bool = False,
+                int4_head_block_size: int | None = 128, threads: int | None = None, verbose: bool = False,
                 attention: str = DEFAULT_ATTENTION) -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
     variants, checking each.
@@ -119,6 +119,9 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         fp16: also export a float16 graph (float16 weights, KV and logits).
         int4: also write a weight-only int4 graph (MatMulNBits, float32 KV/logits).
         int8: also write a weight-only int8 graph (MatMulNBits 8 bits, float32 KV/logits).
+        int4_block_size: weights per scale of the int4 and int8 graphs.
+        int4_head_block_size: weights per scale of the int4 graph's LM head (None: as
+            the layers; see :func:`~exporters.onnx.quantize.quantize_weights`).
         parity: run :func:`check_parity` on the float32 export (steps=``parity_steps``)
             and :func:`compare_exports` on each variant; results go in the manifests.
         prompts: token-id prompts for the checks (default one :func:`default_prompt`);
@@ -149,7 +152,10 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                          prompts[0] if parity else None, parity_steps, threads, attention)
     variants = _variants(model, path, out, [n for n, on in (("fp16", fp16), ("int4", int4),
                                                             ("int8", int8)) if on],
-                         opset, source, verbose, int4_block_size, attention)
+                         opset, source, verbose,
+                         {"int4": {"block_size": int4_block_size,
+                                   "lm_head_block_size": int4_head_block_size},
+                          "int8": {"block_size": int4_block_size}}, attention)
     _write_variants(out, variants, parity, prompts, parity_steps, threads)
     if variants:
         man["variants"] = {k: {"path": k, "agreement_vs_fp32": v.get("agreement_vs_fp32")}
