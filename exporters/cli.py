@@ -147,8 +147,8 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
                           parity=not no_parity,
                           parity_steps=steps, prompts=prompts, source=model,
                           int4_block_size=int4_block_size,
-                          int4_head_block_size=int4_head_block_size, threads=threads, verbose=verbose,
-                          attention=attention)
+                          int4_head_block_size=int4_head_block_size, threads=threads,
+                          verbose=verbose, attention=attention)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(_summary(man, out), indent=2))

@@ -108,8 +108,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 parity: bool = True,
                 parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
                 source: str | None = None, int4_block_size: int = 32,
-                int4_head_block_size: int | None = 128, threads: int | None = None, verbose: bool = False,
-                attention: str = DEFAULT_ATTENTION) -> dict:
+                int4_head_block_size: int | None = 128, threads: int | None = None,
+                verbose: bool = False, attention: str = DEFAULT_ATTENTION) -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
     variants, checking each.
 

@@ -167,7 +167,8 @@ def quantize_int4(src: str | os.PathLike, dst: str | os.PathLike, *, block_size:
     """:func:`quantize_weights` at 4 bits (``lm_head_bits=8`` keeps the head at 8)."""
     return quantize_weights(src, dst, bits=4, block_size=block_size, symmetric=symmetric,
                             accuracy_level=accuracy_level, lm_head=lm_head,
-                            lm_head_bits=lm_head_bits, lm_head_block_size=lm_head_block_size)
+                            lm_head_bits=lm_head_bits,
+                            lm_head_block_size=lm_head_block_size)
 
 
 def quantize_int8(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
