@@ -103,7 +103,7 @@ def _summary(man: dict, out: Path) -> dict:
               help="weights per int4 / int8 scale")
 @click.option("--int4-head-block-size", type=int, default=128, show_default=True,
               help="weights per scale of the int4 graph's LM head (the first-use "
-              "export's setting: 1.11-1.14x the decode speed of 32, same agreement)")
+              "export's setting: 1.11x the decode speed of 32, same agreement)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="dtype the model is loaded in; the graph is always "
               "traced in float32 (bfloat16: the bf16 draft's exact weights, widened, and "
