@@ -12,10 +12,10 @@ trees within the rows the server says a pass holds for free
 (:data:`DEFAULT_SIBLINGS`). On an AMX Xeon, 8 + 8 prompts x 64 tokens, with the cloud's
 bit-exact (row-invariant) verification and the int4 ONNX draft: 3.26x / 2.61x the target
 alone (HumanEval / MT-Bench), 1.33x / 1.08x llama.cpp's best mode on both cores (README,
-"Where it stands"). Depth 8
-against depth 6 (geomean of chat and code, vs the target alone in the same run): 1.77x /
-1.73x on an AMX Xeon, and on an AVX-512-BF16 EPYC 1.91x / 1.79x and 2.00x / 1.92x on
-``medium``, 1.74x / 1.67x on ``weak``, 1.69x / 1.58x on ``cellular-edge``; depth 12 is slower (1.60x on the Xeon). The output is the
+"Where it stands"). Depth 8 against depth 6 (geomean of chat and code, vs the target
+alone in the same run): 1.77x / 1.73x on an AMX Xeon, and on an AVX-512-BF16 EPYC 1.91x
+/ 1.79x and 2.00x / 1.92x on ``medium``, 1.74x / 1.67x on ``weak``, 1.69x / 1.58x on
+``cellular-edge``; depth 12 is slower (1.60x on the Xeon). The output is the
 target's whatever the policy: these are speed settings only; ``proactive="off"`` spends
 no edge compute on blocks a miss discards.
 """

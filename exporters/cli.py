@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from edge_sdk.drafters.runtime import ONNX_VARIANTS
+
 
 @click.group("export")
 def export():
@@ -99,9 +101,10 @@ def _summary(man: dict, out: Path) -> dict:
               help="greedy decode steps compared by the parity check")
 @click.option("--threads", type=int, default=None,
               help="torch / onnxruntime intra-op threads (default: all cores)")
-@click.option("--int4-block-size", type=int, default=32, show_default=True,
-              help="weights per int4 / int8 scale")
-@click.option("--int4-head-block-size", type=int, default=128, show_default=True,
+@click.option("--int4-block-size", type=int, default=ONNX_VARIANTS["int4"]["block_size"],
+              show_default=True, help="weights per int4 / int8 scale")
+@click.option("--int4-head-block-size", type=int,
+              default=ONNX_VARIANTS["int4"]["lm_head_block_size"], show_default=True,
               help="weights per scale of the int4 graph's LM head (the first-use "
               "export's setting: 1.11x the decode speed of 32, same agreement)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from edge_sdk.drafters.onnx import OnnxDrafter, OnnxRunner
+from edge_sdk.drafters.runtime import ONNX_VARIANTS
 from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.protocol.sampling import SamplingConfig
 from exporters.onnx.export import export_onnx
@@ -74,6 +75,10 @@ def test_qwen2_export_parity_and_manifest(exported):
     q = _manifest(exported / "int4")["quantization"]
     # q, k, v, o, gate, up, down per layer + the tied head (a transposed copy)
     assert q["quantized_matmuls"] == 7 * LAYERS + 1 and q["float_matmuls_left"] == 2 * LAYERS
+    # export_onnx's int4 is the first-use export's: the head at its own block size
+    want = ONNX_VARIANTS["int4"]
+    assert (q["block_size"], q["lm_head_block_size"]) == (want["block_size"],
+                                                          want["lm_head_block_size"])
     for v in ("fp16", "int4"):
         assert 0.0 <= _manifest(exported / v)["agreement_vs_fp32"]["greedy_agreement"] <= 1.0
 
@@ -123,6 +128,25 @@ def test_qwen2_untied_head_int4_with_8bit_head(tmp_path):
     info4 = quantize_int4(tmp_path / "model.onnx", tmp_path / "q4" / "model.onnx",
                           lm_head=False)
     assert info4["quantized_matmuls"] == 7 * LAYERS and info4["lm_head_bits"] is None
+
+
+def test_draft_quant_agreement_is_the_chains_accepted_length(exported):
+    """bench.probes.draft_quant: teacher-forced on a continuation that is the graph's own
+    greedy output, every position agrees and acc@D is the accepted length of a depth-D
+    chain started there (D, cut by the continuation's end); a wrong token at position k
+    is a miss there and caps the chains started before it at k."""
+    from bench.probes.draft_quant import _agreement
+
+    r = OnnxRunner(exported, threads=1)
+    prompt, cont = [1, 17, 230, 5], []
+    logits = r.forward_np(prompt, last=1)
+    for _ in range(10):
+        cont.append(int(logits[-1].argmax()))
+        logits = r.forward_np(cont[-1:], last=1)
+    assert _agreement(r, prompt, cont, 4) == (10, 10, 4 * 7 + 3 + 2 + 1)
+    bad = cont[:5] + [(cont[5] + 1) % VOCAB] + cont[6:]
+    m, n, acc = _agreement(r, prompt, bad, 4)
+    assert n == 10 and m <= 9 and acc >= 4 + 4 + 3 + 2 + 1 and r.cache_len() == 4 + 9
 
 
 def test_int4_head_with_its_own_block_size(tmp_path):

@@ -141,18 +141,22 @@ def test_round_pacing_reads_cycles_and_exposed_drafting_from_traces():
     (positive verdict -> next send gaps; a block sent ahead has a negative one)."""
     from bench.probes.round_pacing import cycles, pacing
 
-    def rnd(send, resp, depth=4, proactive=False, ready=None, steps=None):
-        return {"t_send": send, "t_response": resp, "depth": depth,
+    def rnd(send, resp, depth=4, proactive=False, ready=None, steps=None, accepted=4):
+        return {"t_send": send, "t_response": resp, "depth": depth, "accepted": accepted,
                 "proactive_block": proactive, "t_ready": ready, "proactive_steps": steps}
-    trace = [rnd(1.0, 1.4, ready=1.3, steps=4), rnd(1.3, 1.8, proactive=True),
-             rnd(2.0, 2.4), rnd(2.5, 2.9)]
+    trace = [rnd(1.0, 1.4, ready=1.3, steps=4), rnd(1.3, 1.8, proactive=True, accepted=1),
+             rnd(2.0, 2.4, accepted=0), rnd(2.5, 2.9)]
     rows = [{"mode": "m", "profile": "p", "workload": "w",
-             "metrics": {"wall_s": 3.0, "ttft_s": 0.5, "round_trace": trace}}]
+             "metrics": {"wall_s": 3.0, "ttft_s": 0.5, "round_trace": trace,
+                         "ahead_blocks": 2, "ahead_hits": 1, "proactive_hits": 1}}]
     (c,) = cycles(rows).values()
     assert c["rounds"] == 3 and c["decode_s"] == 2.5
     assert c["cycle_s"] == 0.5                           # 0.4, 0.6, 0.5
     assert c["send_to_verdict_s"] == 0.4                 # 0.5, 0.4, 0.4
     assert c["verdict_to_send_s"] == 0.1                 # -0.1 (sent ahead), 0.2, 0.1
     assert c["exposed_drafting_s"] == 0.3                # 0.2 + 0.1
+    # after the hit (round 1): -0.1; after the misses (rounds 2, 3): 0.2 and 0.1
+    assert c["after_hit_s"] == -0.1 and c["after_miss_s"] == 0.15 and c["misses"] == 2
+    assert (c["ahead_blocks"], c["ahead_hits"], c["proactive_hits"]) == (2, 1, 1)
     (p,) = pacing(rows).values()
     assert p["T_s"] == 0.4 and p["tau_s"] == 0.075       # (1.3 - 1.0) / 4

@@ -41,25 +41,19 @@ def _continuations(path: str) -> list[tuple[str, str, list[int]]]:
     return out
 
 
-def _agreement(runner, prompt: list[int], cont: list[int], depth: int) -> tuple[int, int, float]:
+def _agreement(runner, prompt: list[int], cont: list[int], depth: int) -> tuple[int, int, int]:
     """(matches, positions, sum of accepted lengths over start positions) of one prompt."""
     import numpy as np
+
+    from bench.probes.skip_agreement import _leading
 
     runner.reset()
     logits = runner.forward_np(prompt + cont[:-1], last=len(cont))
     hit = (np.asarray(logits).argmax(-1) == np.asarray(cont)).tolist()
-    acc = 0
-    for i in range(len(hit)):
-        n = 0
-        while n < depth and i + n < len(hit) and hit[i + n]:
-            n += 1
-        acc += n
-    return sum(hit), len(hit), acc
+    return sum(hit), len(hit), sum(_leading(hit[i:i + depth]) for i in range(len(hit)))
 
 
 def main(argv=None) -> dict:
-    import numpy as np
-
     from bench.cells import encode_requests
     from edge_sdk.drafters.onnx import OnnxRunner
     from edge_sdk.models import load_tokenizer
@@ -79,11 +73,13 @@ def main(argv=None) -> dict:
     conts = _continuations(a.requests)
     prompts = {}
     for w in sorted({c[0] for c in conts}):
-        for r in encode_requests(tok, load_workload(w), w, 0):
+        wanted = {c[1] for c in conts if c[0] == w}
+        texts = [p for p in load_workload(w) if p.id in wanted]
+        for r in encode_requests(tok, texts, w, 0):
             prompts[(w, r.prompt_id)] = [int(t) for t in r.prompt_ids]
     runners = {d: OnnxRunner(d, threads=1) for d in a.dirs}
-    ctx = [int(t) for t in conts[0][2]] * 3
-    ctx = (prompts[(conts[0][0], conts[0][1])] + ctx)[:150]
+    w0, pid0, cont0 = conts[0]
+    ctx = (prompts[(w0, pid0)] + cont0 * 3)[:150]      # a 150-token context to decode after
     times = {d: [] for d in a.dirs}
     for r in runners.values():
         r.reset()

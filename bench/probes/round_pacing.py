@@ -10,7 +10,11 @@
    rounds: the medians of the cycle (verdict to next verdict), of send -> verdict and of
    verdict -> next send, and the seconds the edge drafted with nothing in flight (the
    sum of the positive verdict -> next send gaps: the cloud idles unless other requests
-   keep it busy) against the decode seconds (wall time less TTFT).
+   keep it busy) against the decode seconds (wall time less TTFT); the mean verdict ->
+   next send after a round that accepted its whole block (a hit: the next block was
+   drafted behind it) and after one that did not (a miss: the next block is drafted
+   after it); and the requests' blocks sent ahead (``ahead_blocks``), how many of those
+   the verdict kept (``ahead_hits``), against their proactive hits (``proactive_hits``).
 """
 
 from __future__ import annotations
@@ -50,24 +54,42 @@ def cycles(rows: list[dict]) -> dict:
     out = {}
     for key in sorted({(r["mode"], r["profile"], r["workload"]) for r in rows}):
         cyc, flight, gap, exposed, decode = [], [], [], 0.0, 0.0
+        after = {True: [], False: []}       # verdict -> next send, by "the round hit"
+        ahead = used = hits = 0
         for r in rows:
             if (r["mode"], r["profile"], r["workload"]) != key:
                 continue
             m = r["metrics"]
             decode += m["wall_s"] - m["ttft_s"]
+            ahead += int(m.get("ahead_blocks", 0) or 0)
+            used += int(m.get("ahead_hits", 0) or 0)
+            hits += int(m.get("proactive_hits", 0) or 0)
             tr = m.get("round_trace", [])
             for a, b in zip(tr, tr[1:]):
                 cyc.append(b["t_response"] - a["t_response"])
                 flight.append(b["t_response"] - b["t_send"])
                 gap.append(b["t_send"] - a["t_response"])
                 exposed += max(0.0, gap[-1])
+                if a["depth"] > 0:
+                    after[a["accepted"] == a["depth"]].append(gap[-1])
         if cyc:
             out["|".join(key)] = {
                 "rounds": len(cyc), "cycle_s": round(statistics.median(cyc), 3),
                 "send_to_verdict_s": round(statistics.median(flight), 3),
                 "verdict_to_send_s": round(statistics.median(gap), 3),
-                "exposed_drafting_s": round(exposed, 1), "decode_s": round(decode, 1)}
+                "exposed_drafting_s": round(exposed, 1), "decode_s": round(decode, 1),
+                "after_hit_s": _mean(after[True]), "after_miss_s": _mean(after[False]),
+                "misses": len(after[False]), "ahead_blocks": ahead, "ahead_hits": used,
+                "proactive_hits": hits}
     return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(statistics.fmean(xs), 3) if xs else None
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f} ms"
 
 
 def main(path: str) -> dict:
@@ -82,7 +104,10 @@ def main(path: str) -> dict:
               f"{v['verdict_to_send_s'] * 1e3:5.0f}, send->verdict "
               f"{v['send_to_verdict_s'] * 1e3:5.0f}; "
               f"drafting with nothing in flight {v['exposed_drafting_s']:.1f} of "
-              f"{v['decode_s']:.1f} s of decode")
+              f"{v['decode_s']:.1f} s of decode; verdict->send after a hit "
+              f"{_ms(v['after_hit_s'])}, after a miss {_ms(v['after_miss_s'])} "
+              f"({v['misses']} misses); {v['ahead_blocks']} blocks sent ahead "
+              f"({v['ahead_hits']} kept), {v['proactive_hits']} proactive hits")
     print(json.dumps(out))
     return out
 

@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 RUNTIMES = ("torch", "torch-int8", "onnx-fp32", "onnx-int8", "onnx-int4")
 #: Separator of the runtime suffix in a spec (``qwen2.5-coder-0.5b+onnx-int4``).
 SUFFIX = "+"
-#: Export settings per ONNX variant; part of the cache key (a change rebuilds).
+#: Export settings per ONNX variant; part of the cache key (a change rebuilds), and the
+#: defaults of ``specrelay export onnx``. The int4 LM head has its own block size
+#: (:func:`exporters.onnx.quantize.quantize_weights`, ``lm_head_block_size``).
 ONNX_VARIANTS = {
     "fp32": {},
     "int8": {"bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4},

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from edge_sdk.drafters.onnx import MODEL_NAME
+from edge_sdk.drafters.runtime import ONNX_VARIANTS
 from exporters.onnx.attention import DEFAULT_ATTENTION, check_attention
 from exporters.onnx.graph import DEFAULT_OPSET, export_graph
 from exporters.onnx.manifest import manifest_for, write_manifest
@@ -27,6 +28,7 @@ from exporters.onnx.parity import check_parity, compare_exports, default_prompt
 from exporters.onnx.quantize import quantize_int4, quantize_int8
 
 _QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+_INT4 = ONNX_VARIANTS["int4"]   # the first-use export's settings: this module's defaults
 
 
 def _has_data(folder: Path) -> bool:
@@ -107,8 +109,10 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 fp16: bool = False, int4: bool = False, int8: bool = False,
                 parity: bool = True,
                 parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
-                source: str | None = None, int4_block_size: int = 32,
-                int4_head_block_size: int | None = 128, threads: int | None = None,
+                source: str | None = None,
+                int4_block_size: int = _INT4["block_size"],
+                int4_head_block_size: int | None = _INT4["lm_head_block_size"],
+                threads: int | None = None,
                 verbose: bool = False, attention: str = DEFAULT_ATTENTION) -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
     variants, checking each.
@@ -121,7 +125,9 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         int8: also write a weight-only int8 graph (MatMulNBits 8 bits, float32 KV/logits).
         int4_block_size: weights per scale of the int4 and int8 graphs.
         int4_head_block_size: weights per scale of the int4 graph's LM head (None: as
-            the layers; see :func:`~exporters.onnx.quantize.quantize_weights`).
+            the layers; see :func:`~exporters.onnx.quantize.quantize_weights`). Both
+            default to the first-use export's settings
+            (:data:`edge_sdk.drafters.runtime.ONNX_VARIANTS`).
         parity: run :func:`check_parity` on the float32 export (steps=``parity_steps``)
             and :func:`compare_exports` on each variant; results go in the manifests.
         prompts: token-id prompts for the checks (default one :func:`default_prompt`);

@@ -124,9 +124,10 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
         lm_head_block_size: weights per scale in the LM head (None = ``block_size``).
             On Qwen2.5-Coder-0.5B (one core, int8 activations) a head at 128 with the
             decoder layers at 32 decodes 1.11x as fast as 32 throughout and agrees
-            with the target as often (``python -m bench.probes.draft_quant``): the
-            head holds a quarter of the weights, and the kernel's work per block (a
-            scale, an int8 activation block) is the same at any block size.
+            with the target as often (``python -m bench.probes.draft_quant``). The head
+            holds a quarter of the weights; that the kernel spends part of its time per
+            block (a scale, an int8 block of activations) is our reading of the
+            timings, not of its source.
     Returns:
         the quantisation settings and how many MatMuls were converted
         (``quantized_matmuls``; ``int8_matmuls`` of them at 8 bits).
