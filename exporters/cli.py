@@ -12,8 +12,6 @@ from pathlib import Path
 
 import click
 
-from edge_sdk.drafters.runtime import ONNX_VARIANTS
-
 
 @click.group("export")
 def export():
@@ -101,12 +99,13 @@ def _summary(man: dict, out: Path) -> dict:
               help="greedy decode steps compared by the parity check")
 @click.option("--threads", type=int, default=None,
               help="torch / onnxruntime intra-op threads (default: all cores)")
-@click.option("--int4-block-size", type=int, default=ONNX_VARIANTS["int4"]["block_size"],
-              show_default=True, help="weights per int4 / int8 scale")
-@click.option("--int4-head-block-size", type=int,
-              default=ONNX_VARIANTS["int4"]["lm_head_block_size"], show_default=True,
-              help="weights per scale of the int4 graph's LM head (the first-use "
-              "export's setting: 1.11x the decode speed of 32, same agreement)")
+@click.option("--int4-block-size", type=int, default=None,
+              help="weights per int4 / int8 scale (default: the first-use export's, "
+              "edge_sdk.drafters.runtime.ONNX_VARIANTS)")
+@click.option("--int4-head-block-size", type=int, default=None,
+              help="weights per scale of the int4 graph's LM head (default: the "
+              "first-use export's; there 1.11x the decode speed of the layers' block "
+              "size, same agreement)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="dtype the model is loaded in; the graph is always "
               "traced in float32 (bfloat16: the bf16 draft's exact weights, widened, and "
@@ -145,13 +144,14 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
         raise click.ClickException(f"cannot load {model}: {e}") from None
     prompts = _check_prompts(tok, int(m.config.vocab_size))
     click.echo(f"exporting to {out} ...", err=True)
+    blocks = {k: v for k, v in (("int4_block_size", int4_block_size),
+                                ("int4_head_block_size", int4_head_block_size))
+              if v is not None}                 # unset: export_onnx's (first-use) ones
     try:
         man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, int8=int8,
                           parity=not no_parity,
                           parity_steps=steps, prompts=prompts, source=model,
-                          int4_block_size=int4_block_size,
-                          int4_head_block_size=int4_head_block_size, threads=threads,
-                          verbose=verbose, attention=attention)
+                          threads=threads, verbose=verbose, attention=attention, **blocks)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(_summary(man, out), indent=2))

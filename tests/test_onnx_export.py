@@ -94,7 +94,13 @@ def test_export_writes_graph_and_manifest_with_parity(exported):
         assert vm["kv_dtype"] == dtype
         agr = vm["agreement_vs_fp32"]
         assert 0.0 <= agr["greedy_agreement"] <= 1.0 and agr["steps"] == 64
-    assert _manifest(exported / "int4")["quantization"]["quantized_matmuls"] >= 7 * LAYERS
+    q = _manifest(exported / "int4")["quantization"]
+    assert q["quantized_matmuls"] >= 7 * LAYERS
+    # the CLI's unset block sizes are the first-use export's
+    from edge_sdk.drafters.runtime import ONNX_VARIANTS
+    want = ONNX_VARIANTS["int4"]
+    assert (q["block_size"], q["lm_head_block_size"]) == (want["block_size"],
+                                                          want["lm_head_block_size"])
 
 
 def test_parity_check_detects_a_different_model(exported):
