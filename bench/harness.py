@@ -183,8 +183,12 @@ def _measure(run: _Run, cloud: CloudServerProcess, progress: bool,
             + ", ".join(f"{m} {s:.1f}" for m, s in took.items()) + ")")
     cells = plan_cells(cfg, run.mode_classes, run.profiles, pairs, run.prompt_sets, tok, reqs)
     runs, records = measure_cells(shared, run.profiles, cells, progress)
+    runner = getattr(base_drafter, "runner", None)      # an ONNX draft's prompt prefill
+    draft_prefill = None if runner is None else (
+        "graph" if runner.prefill is None else "torch")
     return runs, records, {"factor": factor, "contended": contended,
-                           "draft_load_s": draft_load_s, "info": info}
+                           "draft_load_s": draft_load_s, "info": info,
+                           "draft_prefill": draft_prefill}
 
 
 def _config(run: _Run, runs: list, edge: dict, divergences: dict, t_begin: float) -> dict:
@@ -203,6 +207,7 @@ def _config(run: _Run, runs: list, edge: dict, divergences: dict, t_begin: float
         "concurrent_depth": cfg.concurrent_depth or cfg.depth,
         "dtype": cfg.dtype, "auth": cfg.auth, "packed_linears": info.get("packed_linears"),
         "row_invariant": info.get("row_invariant"),
+        "draft_prefill": edge.get("draft_prefill"),
         "server_max_wait_s": cfg.server_kw.get("max_wait_s", 0.0),
         "cloud_cpus": run.cloud_cpus, "edge_cpus": run.edge_cpus,
         "cloud_threads": run.cloud_threads, "edge_threads": run.edge_threads,

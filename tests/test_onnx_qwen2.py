@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from edge_sdk.drafters.base import Proposal
 from edge_sdk.drafters.onnx import OnnxDrafter, OnnxRunner
 from edge_sdk.drafters.runtime import ONNX_VARIANTS
 from edge_sdk.drafters.torch import TorchDrafter
@@ -143,10 +144,95 @@ def test_draft_quant_agreement_is_the_chains_accepted_length(exported):
     for _ in range(10):
         cont.append(int(logits[-1].argmax()))
         logits = r.forward_np(cont[-1:], last=1)
-    assert _agreement(r, prompt, cont, 4) == (10, 10, 4 * 7 + 3 + 2 + 1)
+    assert _agreement(r, prompt, cont, 4)[:3] == (10, 10, 4 * 7 + 3 + 2 + 1)
     bad = cont[:5] + [(cont[5] + 1) % VOCAB] + cont[6:]
-    m, n, acc = _agreement(r, prompt, bad, 4)
+    m, n, acc, _ = _agreement(r, prompt, bad, 4)
     assert n == 10 and m <= 9 and acc >= 4 + 4 + 3 + 2 + 1 and r.cache_len() == 4 + 9
+
+
+def test_torch_prefill_fills_the_cache_as_the_graph_does(model, exported):
+    """A runner whose long catch-ups go through the torch model (TorchPrefill) holds the
+    keys/values and returns the logits the float32 graph does: from an empty cache,
+    on top of a cached past after a rollback, and in batched drafting (forks share the
+    prefill); a catch-up shorter than ``min_tokens`` stays on the graph."""
+    from edge_sdk.drafters.prefill import TorchPrefill
+
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randint(2, VOCAB, (40,), generator=g).tolist()
+    plain, hybrid = OnnxDrafter(exported, threads=1), OnnxDrafter(exported, threads=1)
+    pf = TorchPrefill(model, min_tokens=4)
+    calls = []
+    extend = pf.extend
+    pf.extend = lambda r, t: (calls.append(len(t)), extend(r, t))[1]
+    hybrid.runner.prefill = pf
+
+    def same(a, b):
+        assert a.runner.ids == b.runner.ids
+        for x, y in zip(a.runner.past, b.runner.past):
+            assert x.dtype == y.dtype and np.allclose(x, y, atol=1e-4, rtol=0)
+
+    assert torch.allclose(plain.sync(ctx), hybrid.sync(ctx), atol=1e-3, rtol=0)
+    assert calls == [39]
+    same(plain, hybrid)
+    ctx2 = ctx[:30] + torch.randint(2, VOCAB, (12,), generator=g).tolist()
+    assert torch.allclose(plain.sync(ctx2), hybrid.sync(ctx2), atol=1e-3, rtol=0)
+    assert calls == [39, 11]                       # 11 tokens over a 30-token past
+    same(plain, hybrid)
+    cfg = SamplingConfig()
+    assert plain.propose(ctx2 + [7, 8], 4, cfg).tokens == hybrid.propose(
+        ctx2 + [7, 8], 4, cfg).tokens
+    assert calls == [39, 11]                       # 2 missing tokens: the graph
+    a, b = hybrid.fork(), hybrid.fork()
+    assert a.runner.prefill is pf and a.runner.ids == []
+    ctxs = [ctx[:20], ctx2[:25]]
+    props = [Proposal(c, 3, cfg) for c in ctxs]
+    got = OnnxDrafter.propose_many([a, b], props)
+    assert calls == [39, 11, 19, 24]               # each catch-up, then one batch
+    want = [plain.propose(c, 3, cfg).tokens for c in ctxs]
+    assert [blk.tokens for blk in got] == want
+    with pytest.raises(ValueError, match="at least one token"):
+        pf.extend(a.runner, [])
+
+
+def test_torch_prefill_refuses_another_geometry_and_build_drafter_wires_it(
+        exported, monkeypatch, tmp_path):
+    """A prefill model of another shape is refused; ``build_drafter(prefill=...)``
+    attaches one (``torch``), none (``off``, and ``auto`` by default: opt-in), follows
+    $SPECRELAY_DRAFT_PREFILL under ``auto`` and names the choices for a wrong value."""
+    from edge_sdk.drafters import runtime as rt
+    from edge_sdk.drafters.prefill import TorchPrefill
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    other = TorchPrefill(Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
+        num_hidden_layers=LAYERS + 1, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS)).eval())
+    r = OnnxRunner(exported, threads=1)
+    with pytest.raises(ValueError, match="differ in shape"):
+        other.extend(r, list(range(2, 40)))
+    assert r.cache_len() == 0
+    m = tiny_qwen2(seed=5)
+    src = tmp_path / "draft"
+    m.save_pretrained(src)
+    _save_tokenizer(src)
+    monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path / "cache"))
+    from exporters.onnx import first_use as fu
+
+    d, _ = fu.build_drafter(str(src) + "+onnx-int4", prefill="torch")
+    assert isinstance(d.runner.prefill, TorchPrefill)
+    assert d.runner.prefill.model.dtype == torch.bfloat16
+    assert rt.build_drafter(str(src) + "+onnx-int4", prefill="off")[0].runner.prefill is None
+    monkeypatch.delenv("SPECRELAY_DRAFT_PREFILL", raising=False)
+    assert rt.build_drafter(str(src) + "+onnx-int4")[0].runner.prefill is None
+    monkeypatch.setenv("SPECRELAY_DRAFT_PREFILL", "torch")
+    assert isinstance(rt.build_drafter(str(src) + "+onnx-int4")[0].runner.prefill,
+                      TorchPrefill)
+    monkeypatch.setenv("SPECRELAY_DRAFT_PREFILL", "gpu")
+    with pytest.raises(ValueError, match="expected torch or off"):
+        rt.build_drafter(str(src) + "+onnx-int4")
+    with pytest.raises(ValueError, match="one of auto, torch, off"):
+        rt.build_drafter(str(src) + "+onnx-int4", prefill="amx")
 
 
 def test_int4_head_with_its_own_block_size(tmp_path):

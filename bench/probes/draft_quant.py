@@ -3,6 +3,7 @@ one variant beside another (e.g. int4 with 32, 64 or 128 weights per scale).
 
     python -m bench.probes.draft_quant DIR [DIR ...]
         [--requests docs/figures/single16-1206/requests.jsonl] [--steps 30] [--cpu 1]
+        [--torch-prefill]
 
 ``DIR``: an export folder (``model.onnx`` + ``specrelay_onnx.json``). For each:
 
@@ -15,6 +16,13 @@ one variant beside another (e.g. int4 with 32, 64 or 128 weights per scale).
   token; ``acc@8`` = the mean, over start positions, of leading matches in a run of 8
   (the accepted length of a depth-8 chain, Leviathan et al. 2023, §3.1: a greedy
   draft conditioned on the true prefix proposes exactly these tokens).
+
+``--torch-prefill``: each ``DIR`` is also judged with its prompt prefilled by the same
+draft in torch bf16 (:mod:`edge_sdk.drafters.prefill`, the export manifest's
+``source`` model) and the continuation teacher-forced through the graph, as the edge
+drafts with it; reported as ``DIR+torch-prefill`` (same decode cost) with the prompts'
+prefill ms both ways and the process's resident memory (``VmRSS``, MB) before and
+after loading the torch model.
 
 Output: one line per variant and workload, then one JSON object.
 """
@@ -41,16 +49,37 @@ def _continuations(path: str) -> list[tuple[str, str, list[int]]]:
     return out
 
 
-def _agreement(runner, prompt: list[int], cont: list[int], depth: int) -> tuple[int, int, int]:
-    """(matches, positions, sum of accepted lengths over start positions) of one prompt."""
+def _rss_mb() -> float | None:
+    """This process's resident memory in MB (``VmRSS``; None without ``/proc``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _agreement(runner, prompt: list[int], cont: list[int], depth: int,
+               prefill=None) -> tuple[int, int, int, float]:
+    """(matches, positions, sum of accepted lengths over start positions, prompt
+    prefill seconds) of one prompt; ``prefill``: a TorchPrefill fills ``prompt[:-1]``."""
     import numpy as np
 
     from bench.probes.skip_agreement import _leading
 
     runner.reset()
-    logits = runner.forward_np(prompt + cont[:-1], last=len(cont))
+    t0 = time.perf_counter()
+    if prefill is not None:
+        prefill.extend(runner, prompt[:-1])
+    else:
+        runner.forward_np(prompt[:-1], last=1)
+    pre_s = time.perf_counter() - t0
+    logits = runner.forward_np(prompt[-1:] + cont[:-1], last=len(cont))
     hit = (np.asarray(logits).argmax(-1) == np.asarray(cont)).tolist()
-    return sum(hit), len(hit), sum(_leading(hit[i:i + depth]) for i in range(len(hit)))
+    return (sum(hit), len(hit), sum(_leading(hit[i:i + depth]) for i in range(len(hit))),
+            pre_s)
 
 
 def main(argv=None) -> dict:
@@ -66,6 +95,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--cpu", type=int, default=1)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--torch-prefill", action="store_true")
     a = ap.parse_args(argv)
     if a.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {a.cpu})
@@ -90,25 +120,40 @@ def main(argv=None) -> dict:
             r.forward_np(ctx[:1], last=1)
             times[d].append(1e3 * (time.perf_counter() - t0))
             r.crop(len(ctx))
+    judged = [(d, d, r, None) for d, r in runners.items()]
+    rss = {}
+    if a.torch_prefill:
+        from edge_sdk.drafters.prefill import load_prefill
+
+        for d, r in runners.items():
+            before = _rss_mb()
+            pf = load_prefill(r.manifest["source"], threads=1)
+            pf.extend(r, ctx[:40])                          # warm the torch path
+            judged.append((d + "+torch-prefill", d, r, pf))
+            rss[d] = {"rss_mb_graph_only": before, "rss_mb_with_torch": _rss_mb()}
     out = {"requests": a.requests, "depth": a.depth, "variants": {}}
-    for d, r in runners.items():
-        per = {}
+    for name, d, r, pf in judged:
+        per, pre_s = {}, 0.0
         for w, pid, cont in conts:
-            m, n, acc = _agreement(r, prompts[(w, pid)], cont, a.depth)
+            m, n, acc, ps = _agreement(r, prompts[(w, pid)], cont, a.depth, pf)
             s = per.setdefault(w, [0, 0, 0.0])
             s[0] += m
             s[1] += n
             s[2] += acc
+            pre_s += ps
         q = r.manifest.get("quantization") or {}
         v = {"decode_ms": round(statistics.median(times[d]), 2),
              "block_size": q.get("block_size"), "bits": q.get("bits"),
-             "bytes": os.path.getsize(r.model_path)}
+             "bytes": os.path.getsize(r.model_path),
+             "prompt_prefill_ms": round(1e3 * pre_s / len(conts), 1),
+             **(rss.get(d, {}) if pf is not None else {})}
         for w, (m, n, acc) in per.items():
             v[w] = {"first": round(m / n, 4), f"acc@{a.depth}": round(acc / n, 3),
                     "positions": n}
-            print(f"{d}: {w} first {m / n:.4f} acc@{a.depth} {acc / n:.3f} "
-                  f"({n} positions); decode {v['decode_ms']} ms/token")
-        out["variants"][d] = v
+            print(f"{name}: {w} first {m / n:.4f} acc@{a.depth} {acc / n:.3f} "
+                  f"({n} positions); decode {v['decode_ms']} ms/token, prompt prefill "
+                  f"{v['prompt_prefill_ms']} ms")
+        out["variants"][name] = v
     print(json.dumps(out))
     return out
 

@@ -246,6 +246,9 @@ class OnnxRunner:
                                           for k in ("key", "value")]
         self.ids: list[int] = []
         self.past: list[np.ndarray] = []
+        #: fills long catch-ups (a prompt) instead of the graph: a
+        #: :class:`~edge_sdk.drafters.prefill.TorchPrefill`, or None
+        self.prefill = None
         self.reset()
 
     def cache_len(self) -> int:
@@ -309,14 +312,27 @@ class OnnxRunner:
         all), float32 [min(last, k), V] (an fp16 graph's logits are widened exactly)."""
         return torch.from_numpy(np.asarray(self.forward_np(new_ids, last), dtype=np.float32))
 
+    def catch_up(self, new_ids: Sequence[int]) -> None:
+        """Append ``new_ids`` [k] to the cache without reading their logits: through
+        :attr:`prefill` when it takes a run this long, else the graph."""
+        if self.prefill is not None and self.prefill.wants(len(new_ids)):
+            self.prefill.extend(self, new_ids)
+        elif new_ids:
+            self.forward_np(new_ids, last=1)
+
     def sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context[:-1]`` (rolling back whatever diverges, reusing
-        the common prefix) and return the logits after ``context[-1]``, float32 [V]."""
+        the common prefix; a long missing run through :meth:`catch_up`) and return the
+        logits after ``context[-1]``, float32 [V]."""
         if not context:
             raise ValueError("context must hold at least one token")
         common = common_prefix(self.ids, context)
         self.crop(min(common, len(context) - 1))
-        return self.forward(context[len(self.ids):], last=1)[-1]
+        new = context[len(self.ids):]
+        if self.prefill is not None and self.prefill.wants(len(new) - 1):
+            self.catch_up(new[:-1])
+            new = new[-1:]
+        return self.forward(new, last=1)[-1]
 
     def check(self) -> None:
         """Assert the cache-length invariant on every past tensor (CASES.md 7)."""
@@ -417,7 +433,7 @@ def draft_batched(runners: Sequence[OnnxRunner], proposals: Sequence[Proposal]
         r.crop(min(common_prefix(r.ids, ctx), len(ctx) - 1))
         new = list(ctx[len(r.ids):])
         if len(new) > BATCH_SYNC_MAX:
-            r.forward_np(new[:-1], last=1)
+            r.catch_up(new[:-1])
             new = new[-1:]
         news.append(new)
     B, H, D = len(runners), r0.num_kv_heads, r0.head_dim

@@ -17,6 +17,10 @@ Qwen2.5-Coder-0.5B, one thread, ~100-token context (``python -m exporters.speed`
 torch bf16 81 ms/token; torch int8 22 ms (greedy agreement with the bf16 draft 0.90);
 onnx fp32 62 ms (0.994); onnx int8 21 ms (0.992); onnx int4 15 ms (0.945).
 
+An ``onnx-*`` draft of a model spec may prefill long catch-ups (a prompt) through the
+same model in torch bf16 instead (``prefill="torch"`` or ``$SPECRELAY_DRAFT_PREFILL``;
+:mod:`edge_sdk.drafters.prefill`): faster on an AMX core, opt-in for its memory.
+
 Why the SDK does not export: ONNX runtimes load a cached export from ``$SPECRELAY_CACHE/onnx/<name>-<variant>``
 (~1 s). This module only *loads* exports: the SDK (what an app embeds) carries no
 training/compile code, so it never imports :mod:`exporters`. A missing or stale export
@@ -46,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -169,10 +174,28 @@ def onnx_export_folder(spec: str, variant: str, export: Exporter | None = None,
     return folder
 
 
+#: ``prefill=`` values of :func:`build_drafter`.
+PREFILLS = ("auto", "torch", "off")
+
+
+def prefill_default() -> str:
+    """What ``prefill="auto"`` means: ``$SPECRELAY_DRAFT_PREFILL`` (``torch`` or ``off``)
+    if set, else ``off``. Opt-in: on the AMX box a torch prefill runs a prompt ~2.2x
+    faster (:mod:`edge_sdk.drafters.prefill`) but costs ~1.9 GB more edge memory, and the
+    bench measured no throughput gain from it where the target's own prefill is the
+    longer one (README, "Draft prefill on AMX"). Raises ValueError for another value."""
+    env = os.environ.get("SPECRELAY_DRAFT_PREFILL")
+    if env:
+        if env not in PREFILLS[1:]:
+            raise ValueError(f"SPECRELAY_DRAFT_PREFILL={env!r}: expected torch or off")
+        return env
+    return "off"
+
+
 def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = None,
                   threads: int | None = None, providers=None,
                   echo: Callable[[str], None] | None = None,
-                  export: Exporter | None = None):
+                  export: Exporter | None = None, prefill: str = "auto"):
     """A :class:`~edge_sdk.drafters.base.Drafter` for ``spec`` on ``runtime``.
 
     Args:
@@ -191,15 +214,22 @@ def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = 
         echo: progress messages (first-use export); default the module logger.
         export: builds a missing or stale ONNX export (:data:`Exporter`; the CLI passes
             :func:`exporters.onnx.first_use.ensure_onnx_export`). None: load only.
+        prefill: for the ``onnx-*`` runtimes of a model spec, how long catch-ups (a
+            prompt) fill the draft's KV cache: ``torch`` through the same model in
+            bf16 (:mod:`edge_sdk.drafters.prefill`; ~1.9 GB more memory), ``off``
+            through the graph, ``auto`` :func:`prefill_default`. An export folder
+            always prefills through its graph.
     Returns:
         ``(drafter, tokenizer or None)``.
     Raises:
-        ValueError: an unknown runtime.
+        ValueError: an unknown runtime or prefill.
         ExportMissing: an ``onnx-*`` runtime whose export is not cached, without
             ``export``.
     """
     from edge_sdk.drafters.onnx import MANIFEST_NAME, OnnxDrafter
 
+    if prefill not in PREFILLS:
+        raise ValueError(f"unknown draft prefill {prefill!r} (one of {', '.join(PREFILLS)})")
     if (Path(spec) / MANIFEST_NAME).is_file():
         return OnnxDrafter(spec, providers=providers, threads=threads or 1), None
     spec, suffix = split_runtime(spec)
@@ -210,8 +240,12 @@ def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = 
         from edge_sdk.models import load_tokenizer
 
         folder = onnx_export_folder(spec, runtime.split("-", 1)[1], export, echo)
-        return OnnxDrafter(folder, providers=providers or "cpu", threads=threads or 1), \
-            load_tokenizer(spec)
+        drafter = OnnxDrafter(folder, providers=providers or "cpu", threads=threads or 1)
+        if (prefill_default() if prefill == "auto" else prefill) == "torch":
+            from edge_sdk.drafters.prefill import load_prefill
+
+            drafter.runner.prefill = load_prefill(spec, threads=threads)
+        return drafter, load_tokenizer(spec)
     return _torch_drafter(spec, runtime, dtype, threads)
 
 

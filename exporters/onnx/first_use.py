@@ -170,10 +170,10 @@ def ensure_onnx_export(spec: str, variant: str = "int4", *,
 
 def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = None,
                   threads: int | None = None, providers=None,
-                  echo: Callable[[str], None] | None = None):
+                  echo: Callable[[str], None] | None = None, prefill: str = "auto"):
     """:func:`edge_sdk.drafters.runtime.build_drafter` (same arguments and result) that
     exports a missing ``onnx-*`` runtime on first use (:func:`ensure_onnx_export`)
     instead of raising :class:`~edge_sdk.drafters.runtime.ExportMissing`."""
     return sdk_runtime.build_drafter(spec, runtime, dtype=dtype, threads=threads,
                                      providers=providers, echo=echo,
-                                     export=ensure_onnx_export)
+                                     export=ensure_onnx_export, prefill=prefill)
