@@ -106,6 +106,8 @@ def print_result(res, as_json: bool, title: str, note: str | None = None,
     con.print(title, style="bold", markup=False, highlight=False)   # rule titles get cut
     con.print(res.text, markup=False, highlight=False)
     con.print(f"[dim]finish_reason={res.finish_reason}  tokens={len(res.token_ids)}[/dim]")
+    if res.finish_reason == "length":
+        con.print("[dim](stopped at --max-new-tokens; raise it for the whole answer)[/dim]")
     t = Table(title="metrics")
     t.add_column("metric")
     t.add_column("value", justify="right")

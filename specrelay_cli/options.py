@@ -44,9 +44,9 @@ class SiblingsParam(click.ParamType):
 
 DTYPE_CHOICE = ["auto", "float32", "bfloat16"]
 DTYPE_HELP = ("Target dtype. auto = bfloat16 where the CPU has AMX/AVX512-BF16 (a 9-token "
-              "verify pass then costs about a 1-token one; greedy output may differ from "
-              "target-only only at bf16 near-ties, which are counted), else float32 (exact "
-              "greedy identity up to 1e-4 ties).")
+              "verify pass then costs about a 1-token one; verify passes are row-invariant, "
+              "so greedy output is target-only's bit for bit, and any near-tie divergence "
+              "would be counted), else float32 (exact greedy identity up to 1e-4 ties).")
 
 
 def make_drafter(spec: str):

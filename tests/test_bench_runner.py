@@ -79,6 +79,7 @@ def test_scripted_run_through_emulator(tmp_path):
         assert bd["upload"] > 0 and bd["download"] > 0 and bd["verify"] > 0
     assert sr["breakdown_s"]["draft"] > 0 and ar["breakdown_s"]["draft"] == 0
     assert results["config"]["greedy_outputs_identical"] is True
+    assert results["config"]["draft_prefill"] is None       # a torch draft: no graph
     if len(aff) >= 2:
         assert not set(results["config"]["cloud_cpus"]) & set(results["config"]["edge_cpus"])
 
@@ -274,3 +275,6 @@ def test_cli_list_modes_and_bad_mode():
     assert r.exit_code == 0 and "cloud-ar" in r.output and "specrelay" in r.output
     r = CliRunner().invoke(bench, ["--modes", "nope", "--out", "/tmp/x"])
     assert r.exit_code != 0 and "unknown bench mode" in r.output
+    r = CliRunner().invoke(bench, ["--modes", "sr-pacd", "--out", "/tmp/x"])
+    assert r.exit_code == 2 and "did you mean sr-paced" in r.output
+    assert "--list-modes" in r.output and "cloud-ar" not in r.output     # no 44-name list

@@ -40,3 +40,19 @@ def test_cli_help_lists_the_options():
         out = CliRunner().invoke(specrelay_cli.main, [cmd, "--help"]).output
         for opt in ("--controller", "--proactive", "--proactive-roots", "--ngram"):
             assert opt in out, (cmd, opt)
+
+
+def test_text_output_says_when_the_token_limit_cut_the_answer(server, target, draft, tok,
+                                                              capsys):
+    """A human-readable result cut by --max-new-tokens says so (a demo answer that
+    stops mid-line otherwise looks broken); the JSON form stays one object."""
+    from specrelay_cli.generate import print_result
+
+    res = asyncio.run(run_generation(server.url, TorchDrafter(draft), tok,
+                                     "w5 w9 w12 w3 w7 w5 w9", BASE, None))
+    assert res.finish_reason == "length"
+    print_result(res, False, "demo")
+    out = capsys.readouterr().out
+    assert "finish_reason=length" in out and "raise it for the whole answer" in out
+    print_result(res, True, "demo")
+    assert "raise it" not in capsys.readouterr().out

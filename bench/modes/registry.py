@@ -54,7 +54,12 @@ def get_mode(name: str) -> type[BenchMode]:
     try:
         return MODES[name]
     except KeyError:
-        raise ValueError(f"unknown bench mode {name!r}; choose from {mode_names()}") from None
+        import difflib
+
+        near = difflib.get_close_matches(name, mode_names(), n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ValueError(f"unknown bench mode {name!r}{hint}; `specrelay bench "
+                         f"--list-modes` lists the {len(MODES)} modes") from None
 
 
 def _at_depth(name: str) -> type[BenchMode]:

@@ -114,7 +114,8 @@ def build_onnx_export(spec: str, out: str | os.PathLike, variant: str = "int4", 
     t0 = time.perf_counter()
     fp32_dir = out / "fp32" if variant != "fp32" else out
     man, prompts = _fp32_export(spec, fp32_dir, check_steps, echo,
-                                f"exporting {spec} to ONNX ({variant}) in {out} ...")
+                                f"exporting {spec} to ONNX ({variant}) in {out} (once; "
+                                f"~2-4 min and ~8 GB of memory on 2 cores) ...")
     gc.collect()
     if variant != "fp32":
         man = _quantized(out, fp32_dir, man, variant, prompts, check_steps)
