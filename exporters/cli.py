@@ -106,6 +106,10 @@ def _summary(man: dict, out: Path) -> dict:
               help="weights per scale of the int4 graph's LM head (default: the "
               "first-use export's; there 1.11x the decode speed of the layers' block "
               "size, same agreement)")
+@click.option("--int4-head-vocab", type=click.IntRange(1), default=None,
+              help="rows of the int4 graph's LM head: the most frequent tokens of the "
+              "tokenizer's shipped ranking (FR-Spec; default: the first-use export's; "
+              "without a ranking for the tokenizer the whole head)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="dtype the model is loaded in; the graph is always "
               "traced in float32 (bfloat16: the bf16 draft's exact weights, widened, and "
@@ -116,7 +120,7 @@ def _summary(man: dict, out: Path) -> dict:
               "own attention (K and V repeated per query head, slower on long contexts)")
 @click.option("--verbose", is_flag=True, help="show the torch.onnx exporter's output")
 def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int4_block_size,
-             int4_head_block_size, dtype, attention, verbose):
+             int4_head_block_size, int4_head_vocab, dtype, attention, verbose):
     """Export MODEL to ONNX with KV-cache inputs/outputs (optimum naming).
 
     MODEL is a model spec (qwen2.5-coder-0.5b, smollm2-135m, smollm2-135m@4 = first 4
@@ -145,12 +149,13 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
     prompts = _check_prompts(tok, int(m.config.vocab_size))
     click.echo(f"exporting to {out} ...", err=True)
     blocks = {k: v for k, v in (("int4_block_size", int4_block_size),
-                                ("int4_head_block_size", int4_head_block_size))
+                                ("int4_head_block_size", int4_head_block_size),
+                                ("int4_head_vocab", int4_head_vocab))
               if v is not None}                 # unset: export_onnx's (first-use) ones
     try:
         man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, int8=int8,
                           parity=not no_parity,
-                          parity_steps=steps, prompts=prompts, source=model,
+                          parity_steps=steps, prompts=prompts, source=model, tokenizer=tok,
                           threads=threads, verbose=verbose, attention=attention, **blocks)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None

@@ -115,6 +115,24 @@ def test_speculative_matches_target_distribution(name, stage):
     assert chi2_pvalue(t1, t2, p1, P2) > 0.01
 
 
+@pytest.mark.parametrize("stage", ["bounded", "proposal", "full"])
+def test_a_draft_over_part_of_the_vocabulary_keeps_the_distribution(stage):
+    """A draft whose LM head keeps 10 of the 16 tokens (FR-Spec's subset head: -inf
+    logits elsewhere, so q = 0 there) still gives the target's distribution: the
+    correction draws the tokens the draft cannot propose."""
+    cfg = SETTINGS["t1.0"]
+    l1, l2 = raw_logits(0)
+    n1, n2 = raw_logits(100)
+    keep = torch.zeros(V, dtype=torch.bool)
+    keep[torch.randperm(V, generator=torch.Generator().manual_seed(5))[:10]] = True
+    p1, P2 = tables(l1, l2, cfg)
+    q1, Q2 = tables(torch.where(keep, 0.8 * l1 + 0.6 * n1, float("-inf")),
+                    torch.where(keep, 0.8 * l2 + 0.6 * n2, float("-inf")), cfg)
+    assert float(q1[~keep].sum()) == 0.0 and float(Q2[:, ~keep].sum()) == 0.0
+    t1, t2 = speculative_pairs(p1, P2, q1, Q2, stage, seed=1)
+    assert chi2_pvalue(t1, t2, p1, P2) > 0.01
+
+
 @pytest.mark.parametrize("name", ["t0.7", "topk4"])
 def test_chi_square_detects_wrong_q(name):
     """Power: a draft that samples at one temperature but reports q at another (the

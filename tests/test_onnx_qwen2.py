@@ -235,6 +235,81 @@ def test_torch_prefill_refuses_another_geometry_and_build_drafter_wires_it(
         rt.build_drafter(str(src) + "+onnx-int4", prefill="amx")
 
 
+def test_subset_head_export_drafts_only_its_tokens(model, monkeypatch, tmp_path):
+    """FR-Spec head: with a shipped ranking for the tokenizer, ``export_onnx(...,
+    int4_head_vocab=K)`` keeps the first K ranked rows of the int4 LM head (plus the
+    added tokens), records their ids beside the graph, and the runner returns
+    full-vocabulary logits: the full int4 graph's on those ids, -inf elsewhere. Greedy
+    and sampled drafts stay inside the subset, and the sampled q is 0 outside it."""
+    from edge_sdk.models import tokenizer_fingerprint
+    from exporters.onnx import head_vocab
+    from tests.conftest import tiny_tokenizer
+
+    tok = tiny_tokenizer(VOCAB)
+    monkeypatch.setattr(head_vocab, "ASSETS", tmp_path / "assets")
+    (tmp_path / "assets").mkdir()
+    order = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2)).numpy()
+    np.save(head_vocab.asset_path(tokenizer_fingerprint(tok)), order.astype(np.int32))
+    prompts = [[1, 17, 230, 5, 480, 2, 9, 77]]
+    full, sub = tmp_path / "full", tmp_path / "sub"
+    export_onnx(model, full, int4=True, parity_steps=8, threads=1, prompts=prompts,
+                int4_head_vocab=None, tokenizer=tok)
+    export_onnx(model, sub, int4=True, parity_steps=8, threads=1, prompts=prompts,
+                int4_head_vocab=200, tokenizer=tok)
+    man = _manifest(sub / "int4")
+    ids = np.load(sub / "int4" / man["head_ids"])
+    want = sorted(set(order[:200].tolist()) | set(tok.added_tokens_decoder))
+    assert ids.tolist() == want and man["head_vocab"] == {"size": 200, "rows": len(want)}
+    assert man["quantization"]["head_rows"] == len(want)
+    assert "head_ids" not in _manifest(full / "int4")
+    rf, rs = OnnxRunner(full / "int4", threads=1), OnnxRunner(sub / "int4", threads=1)
+    assert rs.vocab_size == VOCAB and rs.session.get_outputs()[0].shape[-1] == len(want)
+    lf, ls = rf.forward_np(prompts[0], last=2), rs.forward_np(prompts[0], last=2)
+    assert ls.shape == lf.shape == (2, VOCAB)
+    out = np.setdiff1d(np.arange(VOCAB), ids)
+    assert np.isneginf(ls[:, out]).all() and np.isfinite(ls[:, ids]).all()
+    assert np.allclose(ls[:, ids], lf[:, ids], atol=1e-4, rtol=0)
+    d = OnnxDrafter(sub / "int4", threads=1)
+    blk = d.propose(prompts[0], 6, SamplingConfig())
+    assert set(blk.tokens) <= set(want)
+    blk = d.propose(prompts[0], 6, SamplingConfig(temperature=1.5),
+                    torch.Generator().manual_seed(0))
+    assert set(blk.tokens) <= set(want) and float(blk.q[:, out].sum()) == 0.0
+    assert torch.allclose(blk.q.sum(-1), torch.ones(6, dtype=blk.q.dtype))
+    a, b = d.fork(), d.fork()                      # batched drafting maps ids too
+    got = OnnxDrafter.propose_many([a, b], [Proposal(prompts[0], 3, SamplingConfig()),
+                                            Proposal(prompts[0][:5], 3, SamplingConfig())])
+    assert got[0].tokens == d.propose(prompts[0], 3, SamplingConfig()).tokens
+    assert all(set(g.tokens) <= set(want) for g in got)
+
+
+def test_head_vocab_ranking_and_its_checks(monkeypatch, tmp_path):
+    """The ranking puts the BPE merge-order prefix first, then the corpus shares; a
+    tokenizer without a shipped ranking keeps its whole head, a ranking that does not
+    fit the vocabulary is refused, and the quantiser refuses head ids that are not
+    sorted, unique ids of the head."""
+    from edge_sdk.models import tokenizer_fingerprint
+    from exporters.onnx import head_vocab
+    from tests.conftest import tiny_tokenizer
+
+    shares = [np.array([0, 0, 0, 1, 5, 0, 9, 2.0]), np.array([0, 0, 0, 0, 1, 0, 1, 0.0])]
+    assert head_vocab.rank_vocab(shares, 8, merge_prefix=2).tolist() == [0, 1, 6, 4, 7,
+                                                                          3, 2, 5]
+    tok = tiny_tokenizer(VOCAB)
+    monkeypatch.setattr(head_vocab, "ASSETS", tmp_path)
+    assert head_vocab.head_ids(tok, 100, VOCAB) is None          # no ranking shipped
+    np.save(head_vocab.asset_path(tokenizer_fingerprint(tok)), np.arange(VOCAB + 1))
+    with pytest.raises(ValueError, match="does not fit"):
+        head_vocab.head_ids(tok, 100, VOCAB)
+    assert head_vocab.split_settings({"bits": 4, "head_vocab": 9}) == ({"bits": 4}, 9)
+    m = tiny_qwen2(seed=5, tie=False)
+    export_graph(m, tmp_path / "model.onnx")
+    for bad in ([5, 3, 9], [1, 1, 2], [0, VOCAB]):
+        with pytest.raises(ValueError, match="sorted unique ids"):
+            quantize_int4(tmp_path / "model.onnx", tmp_path / "q" / "model.onnx",
+                          head_ids=bad)
+
+
 def test_int4_head_with_its_own_block_size(tmp_path):
     """``lm_head_block_size``: the LM head's MatMulNBits has its own weights per scale
     (the first-use int4 export's 128), every decoder-layer MatMul keeps ``block_size``;

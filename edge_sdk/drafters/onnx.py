@@ -32,6 +32,9 @@ MODEL_NAME = "model.onnx"
 #: Optional graph input, int64 [n]: the positions among a call's new tokens whose logits
 #: are computed (transformers' tensor ``logits_to_keep``); exports since 2026-12-05.
 KEEP_INPUT = "logits_to_keep"
+#: Token ids of a subset LM head's logit columns (int64 [K], ``numpy.save``), beside
+#: the graph; the manifest's ``head_ids`` names it (exports since 2026-12-06).
+HEAD_IDS_FILE = "head_ids.npy"
 
 #: Execution providers in order of preference when none is given explicitly.
 PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider",
@@ -239,6 +242,12 @@ class OnnxRunner:
         self.num_layers = int(self.manifest.get("num_layers") or n_graph)
         logits_v = self.session.get_outputs()[0].shape[-1]
         self.vocab_size = int(self.manifest.get("vocab_size") or logits_v)
+        #: token ids of the graph's logit columns when its LM head keeps a subset of
+        #: the vocabulary (int64 [K]; manifest ``head_ids``), else None
+        self.head_ids = None
+        if self.manifest.get("head_ids"):
+            self.head_ids = np.load(self.folder / self.manifest["head_ids"]).astype(np.int64)
+            self._head_ids_t = torch.from_numpy(self.head_ids)
         self.num_kv_heads = int(self.manifest.get("num_kv_heads") or k0.shape[1])
         self.head_dim = int(self.manifest.get("head_dim") or k0.shape[3])
         self.keeps_logits = KEEP_INPUT in self.input_names
@@ -300,7 +309,19 @@ class OnnxRunner:
         self.past = outs[1:]
         self.ids.extend(int(t) for t in new_ids)
         self.check()
-        return outs[0][0][-self._rows(len(new_ids), last):]    # an older graph: all k
+        return self.full_vocab(outs[0][0][-self._rows(len(new_ids), last):])  # older: all k
+
+    def full_vocab(self, logits: np.ndarray) -> np.ndarray:
+        """Graph logits [T, K] as float32 logits over the whole vocabulary [T, V]: with a
+        subset head (:attr:`head_ids`) the other tokens get -inf (probability 0: the
+        draft never proposes them, and q is still exactly the distribution a draft
+        token is drawn from); otherwise ``logits`` itself."""
+        if self.head_ids is None:
+            return logits
+        from edge_sdk.exit_head import full_vocab
+
+        return full_vocab(torch.from_numpy(np.asarray(logits)), self._head_ids_t,
+                          self.vocab_size).numpy()
 
     @staticmethod
     def _rows(k: int, last: int | None) -> int:
@@ -469,7 +490,7 @@ def draft_batched(runners: Sequence[OnnxRunner], proposals: Sequence[Proposal]
             feeds[past_name(i, "key")] = past[2 * i]
             feeds[past_name(i, "value")] = past[2 * i + 1]
         res = r0.session.run(r0.output_names, feeds)
-        return np.asarray(res[0][:, -1], dtype=np.float32), res[1:]
+        return np.asarray(r0.full_vocab(res[0][:, -1]), dtype=np.float32), res[1:]
 
     def settle(k: int) -> None:
         """Batch row k's proposal is complete: its runner takes its compacted cache."""

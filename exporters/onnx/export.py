@@ -21,6 +21,7 @@ import torch
 
 from edge_sdk.drafters.onnx import MODEL_NAME
 from edge_sdk.drafters.runtime import ONNX_VARIANTS
+from exporters.onnx import head_vocab
 from exporters.onnx.attention import DEFAULT_ATTENTION, check_attention
 from exporters.onnx.graph import DEFAULT_OPSET, export_graph
 from exporters.onnx.manifest import manifest_for, write_manifest
@@ -71,10 +72,14 @@ def _quantized_variant(model, path: Path, out: Path, name: str, opset: int, sour
     with ``qopts[name]``'s settings); returns its manifest (with ``quantization``)."""
     t1 = time.perf_counter()
     vdir = out / name
-    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, **qopts[name])
+    opts, size = head_vocab.split_settings(qopts[name])
+    ids = opts.get("head_ids")
+    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, **opts)
     vm = manifest_for(model, dtype=name, kv_dtype="float32", opset=opset, source=source,
                       external=_has_data(vdir), attention=attention)
     vm["quantization"] = qinfo
+    if ids is not None:
+        head_vocab.record(vdir, vm, ids, size or len(ids))
     vm["export_seconds"] = round(time.perf_counter() - t1, 2)
     return vm
 
@@ -105,6 +110,15 @@ def _write_variants(out: Path, variants: dict, parity: bool, prompts, steps: int
             write_manifest(vdir, vm)
 
 
+def _head(tokenizer, size: int | None, model) -> dict:
+    """The int4 quantiser's ``head_ids`` (and the size asked for) when a subset head
+    applies, else nothing."""
+    if not size or tokenizer is None:
+        return {}
+    ids = head_vocab.head_ids(tokenizer, size, int(model.config.vocab_size))
+    return {} if ids is None else {"head_ids": ids, "head_vocab": size}
+
+
 def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
                 fp16: bool = False, int4: bool = False, int8: bool = False,
                 parity: bool = True,
@@ -112,7 +126,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 source: str | None = None,
                 int4_block_size: int = _INT4["block_size"],
                 int4_head_block_size: int | None = _INT4["lm_head_block_size"],
-                threads: int | None = None,
+                int4_head_vocab: int | None = _INT4.get("head_vocab"),
+                tokenizer=None, threads: int | None = None,
                 verbose: bool = False, attention: str = DEFAULT_ATTENTION) -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
     variants, checking each.
@@ -128,6 +143,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
             the layers; see :func:`~exporters.onnx.quantize.quantize_weights`). Both
             default to the first-use export's settings
             (:data:`edge_sdk.drafters.runtime.ONNX_VARIANTS`).
+        int4_head_vocab: rows of the int4 graph's LM head (FR-Spec,
+            :mod:`exporters.onnx.head_vocab`: the first ones of ``tokenizer``'s shipped
+            frequency ranking); None, no ``tokenizer`` or no ranking for it: the whole
+            head. Default: the first-use export's.
+        tokenizer: the model's tokenizer (for ``int4_head_vocab``).
         parity: run :func:`check_parity` on the float32 export (steps=``parity_steps``)
             and :func:`compare_exports` on each variant; results go in the manifests.
         prompts: token-id prompts for the checks (default one :func:`default_prompt`);
@@ -160,7 +180,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                                                             ("int8", int8)) if on],
                          opset, source, verbose,
                          {"int4": {"block_size": int4_block_size,
-                                   "lm_head_block_size": int4_head_block_size},
+                                   "lm_head_block_size": int4_head_block_size,
+                                   **_head(tokenizer, int4_head_vocab, model)},
                           "int8": {"block_size": int4_block_size}}, attention)
     _write_variants(out, variants, parity, prompts, parity_steps, threads)
     if variants:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -105,7 +106,8 @@ def _counts(out) -> dict:
 def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: int = 4,
                      block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4,
                      lm_head: bool = True, lm_head_bits: int | None = None,
-                     lm_head_block_size: int | None = None) -> dict:
+                     lm_head_block_size: int | None = None,
+                     head_ids: Sequence[int] | None = None) -> dict:
     """Weight-only quantisation of every constant-weight MatMul to ``bits`` (4 or 8;
     onnxruntime ``MatMulNBits``, round-to-nearest per block). Activations, KV cache and
     logits stay float32; the embedding Gather keeps float32.
@@ -128,9 +130,18 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
             holds a quarter of the weights; that the kernel spends part of its time per
             block (a scale, an int8 block of activations) is our reading of the
             timings, not of its source.
+        head_ids: keep only these rows of the LM head (token ids, sorted, unique; FR-Spec,
+            :mod:`exporters.onnx.head_vocab`): the graph's ``logits`` then has
+            ``len(head_ids)`` columns, logit column j being token ``head_ids[j]``; the
+            caller records the ids beside the graph (``OnnxRunner.head_ids``). None:
+            the whole head.
     Returns:
         the quantisation settings and how many MatMuls were converted
-        (``quantized_matmuls``; ``int8_matmuls`` of them at 8 bits).
+        (``quantized_matmuls``; ``int8_matmuls`` of them at 8 bits); ``head_rows``
+        with ``head_ids``.
+    Raises:
+        ValueError: bad bits or block sizes; ``head_ids`` for a graph whose head is not
+            a MatMul on a constant weight, or ids outside it.
     """
     import onnx
     _import_quantizer()
@@ -148,6 +159,8 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
     if lm_head:
         _materialize_transposed_weights(m)
     head = _lm_head_matmul(m)
+    if head_ids is not None:
+        _slice_head(m, head, head_ids)
     own_head = lm_head and (lm_head_bits != bits or head_block != block_size)
     exclude = [head] if head and (not lm_head or own_head) else []
     opts = {"symmetric": symmetric, "accuracy_level": accuracy_level}
@@ -159,17 +172,47 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
     with_head = bool(lm_head and head)
     return {"method": "MatMulNBits", "bits": bits, "block_size": block_size, **opts,
             "lm_head": lm_head, "lm_head_bits": lm_head_bits if with_head else None,
-            "lm_head_block_size": head_block if with_head else None, **_counts(out)}
+            "lm_head_block_size": head_block if with_head else None, **_counts(out),
+            **({"head_rows": len(head_ids)} if head_ids is not None else {})}
+
+
+def _slice_head(m, head: str | None, ids: Sequence[int]) -> None:
+    """Keep the LM head MatMul's weight columns ``ids`` [K] (ModelProto ``m``, in place;
+    the weight [hidden, V] becomes a new initializer [hidden, K]) and declare the
+    ``logits`` output with K columns. Raises ValueError (see :func:`quantize_weights`)."""
+    from onnx import numpy_helper
+
+    if head is None:
+        raise ValueError("head_ids needs an LM head that is a MatMul on a constant weight")
+    node = next(n for n in m.graph.node if n.name == head)
+    w = numpy_helper.to_array(next(i for i in m.graph.initializer
+                                   if i.name == node.input[1]))
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= w.shape[1] or (
+            np.diff(ids) <= 0).any():
+        raise ValueError(f"head_ids must be sorted unique ids in 0..{w.shape[1] - 1}")
+    old, name = node.input[1], node.input[1] + ".rows"
+    m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w[:, ids]),
+                                                       name))
+    node.input[1] = name
+    if not any(old in n.input for n in m.graph.node):     # a tied head's transposed copy
+        kept = [i for i in m.graph.initializer if i.name != old]
+        del m.graph.initializer[:]
+        m.graph.initializer.extend(kept)
+    for o in m.graph.output:
+        if o.name == "logits":
+            o.type.tensor_type.shape.dim[-1].dim_value = len(ids)
 
 
 def quantize_int4(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
                   symmetric: bool = True, accuracy_level: int = 4, lm_head: bool = True,
-                  lm_head_bits: int = 4, lm_head_block_size: int | None = None) -> dict:
+                  lm_head_bits: int = 4, lm_head_block_size: int | None = None,
+                  head_ids: Sequence[int] | None = None) -> dict:
     """:func:`quantize_weights` at 4 bits (``lm_head_bits=8`` keeps the head at 8)."""
     return quantize_weights(src, dst, bits=4, block_size=block_size, symmetric=symmetric,
                             accuracy_level=accuracy_level, lm_head=lm_head,
                             lm_head_bits=lm_head_bits,
-                            lm_head_block_size=lm_head_block_size)
+                            lm_head_block_size=lm_head_block_size, head_ids=head_ids)
 
 
 def quantize_int8(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
