@@ -7,7 +7,9 @@ inputs
     ``position_ids`` int64 [B, S] (if present); ``past_key_values.N.key`` /
     ``past_key_values.N.value`` [B, H_kv, P, D] in the KV dtype (float32 or float16).
 outputs
-    ``logits`` [B, S, V]; ``present.N.key`` / ``present.N.value`` [B, H_kv, P+S, D].
+    ``logits`` [B, S, V] ([B, S, K] with a subset LM head: column j is token
+    ``head_ids[j]``, :data:`HEAD_IDS_FILE`); ``present.N.key`` / ``present.N.value``
+    [B, H_kv, P+S, D].
 
 :class:`OnnxDrafter` keeps the present tensors as numpy arrays (batch 1) between calls;
 rolling back to a confirmed prefix of ``n`` tokens is a slice ``[:, :, :n, :]``.
@@ -299,7 +301,8 @@ class OnnxRunner:
 
     def forward_np(self, new_ids: Sequence[int], last: int | None = None) -> np.ndarray:
         """Append ``new_ids`` [k]; return the logits of the last ``last`` of them (None:
-        all), as the graph's dtype, [min(last, k), V]. A graph with a
+        all), as the graph's dtype, [min(last, k), V] (a subset head's K columns mapped
+        back to V as float32, :meth:`full_vocab`). A graph with a
         ``logits_to_keep`` input computes only those rows (a prefill then skips the LM
         head for every prompt position but the last); an older export computes all k
         and the rest are dropped here."""

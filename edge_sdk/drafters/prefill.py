@@ -104,12 +104,14 @@ class TorchPrefill:
 def load_prefill(spec: str, threads: int | None = None,
                  min_tokens: int = MIN_TOKENS) -> TorchPrefill:
     """A :class:`TorchPrefill` of model ``spec`` (:func:`edge_sdk.models.resolve`) in
-    bfloat16 with prepacked linears (oneDNN; AMX where the CPU has it). ``threads`` sets
+    bfloat16 with prepacked linears (oneDNN; AMX where the CPU has it; unless
+    ``SPECRELAY_PACKED=0``). ``threads`` sets
     torch's (process-wide) thread count when given. For the 0.5B draft the process
     grew by ~1.9 GB resident (packed weights, mapped weights file); it loads in
     seconds from the bf16 cache of its GGUF. Raises what
     :func:`edge_sdk.models.load_model` raises."""
     from edge_sdk.models import load_model
+    from edge_sdk.packed import packed_default
 
-    model, _ = load_model(spec, dtype="bfloat16", threads=threads, packed=True)
+    model, _ = load_model(spec, dtype="bfloat16", threads=threads, packed=packed_default())
     return TorchPrefill(model, min_tokens)
