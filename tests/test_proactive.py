@@ -583,3 +583,22 @@ def test_a_refused_create_is_the_error_raised_not_the_drafts(target, tok, close_
     with pytest.raises(RemoteError) as e:
         asyncio.run(main())
     assert e.value.status == 400 and "prompt_ids" in str(e.value)
+
+
+def test_top_ids_is_a_stable_descending_sorts_head():
+    """``top_ids`` (the proactive roots' guesses) equals the first b of a stable
+    descending argsort, ties to the lower id, -inf entries included, on random logits
+    with many ties and on a vocabulary-sized vector."""
+    from edge_sdk.proactive import top_ids
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        x = torch.randint(-3, 4, (40,), generator=g).double()
+        x[torch.rand(40, generator=g) < 0.2] = float("-inf")
+        for b in (1, 2, 3, 7, 40, 50):
+            want = torch.argsort(-x, stable=True)[:b]
+            assert torch.equal(top_ids(x, b), want), (trial, b)
+    x = torch.randn(151_936, generator=g, dtype=torch.float64)
+    x[[5, 99, 151_000]] = x.max() + 1.0                       # a three-way tie on top
+    assert top_ids(x, 4)[:3].tolist() == [5, 99, 151_000]
+    assert torch.equal(top_ids(x, 4), torch.argsort(-x, stable=True)[:4])
