@@ -259,7 +259,7 @@ def test_subset_head_export_drafts_only_its_tokens(model, monkeypatch, tmp_path)
     man = _manifest(sub / "int4")
     ids = np.load(sub / "int4" / man["head_ids"])
     want = sorted(set(order[:200].tolist()) | set(tok.added_tokens_decoder))
-    assert ids.tolist() == want and man["head_vocab"] == {"size": 200, "rows": len(want)}
+    assert ids.tolist() == want and man["head_vocab"] == {"rows": len(want)}
     assert man["quantization"]["head_rows"] == len(want)
     assert "head_ids" not in _manifest(full / "int4")
     rf, rs = OnnxRunner(full / "int4", threads=1), OnnxRunner(sub / "int4", threads=1)
@@ -301,7 +301,6 @@ def test_head_vocab_ranking_and_its_checks(monkeypatch, tmp_path):
     np.save(head_vocab.asset_path(tokenizer_fingerprint(tok)), np.arange(VOCAB + 1))
     with pytest.raises(ValueError, match="does not fit"):
         head_vocab.head_ids(tok, 100, VOCAB)
-    assert head_vocab.split_settings({"bits": 4, "head_vocab": 9}) == ({"bits": 4}, 9)
     m = tiny_qwen2(seed=5, tie=False)
     export_graph(m, tmp_path / "model.onnx")
     for bad in ([5, 3, 9], [1, 1, 2], [0, VOCAB]):

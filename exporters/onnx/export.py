@@ -72,14 +72,13 @@ def _quantized_variant(model, path: Path, out: Path, name: str, opset: int, sour
     with ``qopts[name]``'s settings); returns its manifest (with ``quantization``)."""
     t1 = time.perf_counter()
     vdir = out / name
-    opts, size = head_vocab.split_settings(qopts[name])
-    ids = opts.get("head_ids")
-    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, **opts)
+    ids = qopts[name].get("head_ids")
+    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, **qopts[name])
     vm = manifest_for(model, dtype=name, kv_dtype="float32", opset=opset, source=source,
                       external=_has_data(vdir), attention=attention)
     vm["quantization"] = qinfo
     if ids is not None:
-        head_vocab.record(vdir, vm, ids, size or len(ids))
+        head_vocab.record(vdir, vm, ids)
     vm["export_seconds"] = round(time.perf_counter() - t1, 2)
     return vm
 
@@ -111,12 +110,11 @@ def _write_variants(out: Path, variants: dict, parity: bool, prompts, steps: int
 
 
 def _head(tokenizer, size: int | None, model) -> dict:
-    """The int4 quantiser's ``head_ids`` (and the size asked for) when a subset head
-    applies, else nothing."""
+    """The int4 quantiser's ``head_ids`` when a subset head applies, else nothing."""
     if not size or tokenizer is None:
         return {}
     ids = head_vocab.head_ids(tokenizer, size, int(model.config.vocab_size))
-    return {} if ids is None else {"head_ids": ids, "head_vocab": size}
+    return {} if ids is None else {"head_ids": ids}
 
 
 def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
@@ -126,7 +124,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 source: str | None = None,
                 int4_block_size: int = _INT4["block_size"],
                 int4_head_block_size: int | None = _INT4["lm_head_block_size"],
-                int4_head_vocab: int | None = _INT4.get("head_vocab"),
+                int4_head_vocab: int | None = None,
                 tokenizer=None, threads: int | None = None,
                 verbose: bool = False, attention: str = DEFAULT_ATTENTION) -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
@@ -145,8 +143,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
             (:data:`edge_sdk.drafters.runtime.ONNX_VARIANTS`).
         int4_head_vocab: rows of the int4 graph's LM head (FR-Spec,
             :mod:`exporters.onnx.head_vocab`: the first ones of ``tokenizer``'s shipped
-            frequency ranking); None, no ``tokenizer`` or no ranking for it: the whole
-            head. Default: the first-use export's.
+            frequency ranking, plus the added tokens); None (the default, as the
+            first-use export), no ``tokenizer`` or no ranking for it: the whole head.
         tokenizer: the model's tokenizer (for ``int4_head_vocab``).
         parity: run :func:`check_parity` on the float32 export (steps=``parity_steps``)
             and :func:`compare_exports` on each variant; results go in the manifests.

@@ -26,7 +26,6 @@ from edge_sdk.drafters import runtime as sdk_runtime
 from edge_sdk.drafters.onnx import MODEL_NAME
 from edge_sdk.drafters.runtime import (ONNX_VARIANTS, cache_key, export_is_current,
                                       onnx_cache_path)
-from exporters.onnx import head_vocab
 from exporters.onnx.attention import DEFAULT_ATTENTION
 from exporters.onnx.graph import DEFAULT_OPSET, export_graph
 from exporters.onnx.manifest import manifest_for, write_manifest
@@ -81,19 +80,12 @@ def _quantized(out: Path, fp32_dir: Path, man: dict, variant: str, prompts,
     """Quantise the float32 graph into ``out`` (:data:`ONNX_VARIANTS` settings), record
     its greedy agreement with the float32 graph, then delete the float32 graph.
     Returns the variant's manifest."""
-    from edge_sdk.models import load_tokenizer
-
-    settings, size = head_vocab.split_settings(ONNX_VARIANTS[variant])
-    ids = (head_vocab.head_ids(load_tokenizer(man["source"]), size, man["vocab_size"])
-           if size else None)
-    qinfo = quantize_weights(fp32_dir / MODEL_NAME, out / MODEL_NAME, **settings,
-                             head_ids=ids)
+    qinfo = quantize_weights(fp32_dir / MODEL_NAME, out / MODEL_NAME,
+                             **ONNX_VARIANTS[variant])
     vm = dict(man, dtype=variant, external_data=(
         MODEL_NAME + ".data") if (out / (MODEL_NAME + ".data")).exists() else None)
     vm["fp32_parity"] = vm.pop("parity")
     vm["quantization"] = qinfo
-    if ids is not None:
-        head_vocab.record(out, vm, ids, size)
     write_manifest(out, vm)
     vm["agreement_vs_fp32"] = compare_exports(out, fp32_dir, prompts, check_steps,
                                               threads=1)

@@ -145,22 +145,15 @@ def head_ids(tokenizer, size: int, vocab: int) -> np.ndarray | None:
     return np.nonzero(keep)[0].astype(np.int64)
 
 
-def split_settings(settings: dict) -> tuple[dict, int | None]:
-    """``(quantiser settings, head size or None)`` of an :data:`ONNX_VARIANTS` entry
-    (its ``head_vocab`` is this module's, the rest :func:`quantize_weights`')."""
-    rest = dict(settings)
-    return rest, rest.pop("head_vocab", None)
-
-
-def record(folder: Path, manifest: dict, ids: np.ndarray, size: int) -> None:
+def record(folder: Path, manifest: dict, ids: np.ndarray) -> None:
     """Write ``ids`` beside the graph in ``folder`` and name them in ``manifest``
-    (``head_ids``, read by :class:`~edge_sdk.drafters.onnx.OnnxRunner`;
-    ``head_vocab``: the size asked for and the rows kept)."""
+    (``head_ids``, read by :class:`~edge_sdk.drafters.onnx.OnnxRunner`; ``head_vocab``:
+    the rows kept)."""
     from edge_sdk.drafters.onnx import HEAD_IDS_FILE
 
     np.save(Path(folder) / HEAD_IDS_FILE, np.asarray(ids, dtype=np.int64))
     manifest["head_ids"] = HEAD_IDS_FILE
-    manifest["head_vocab"] = {"size": int(size), "rows": int(len(ids))}
+    manifest["head_vocab"] = {"rows": int(len(ids))}
 
 
 def build(target: str, out_dir: Path = ASSETS) -> dict:
