@@ -10,6 +10,7 @@ Tiny random Qwen2 models (2 layers, hidden 64, vocab 512) keep this fast; one
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -262,6 +263,9 @@ def test_subset_head_export_drafts_only_its_tokens(model, monkeypatch, tmp_path)
     assert ids.tolist() == want and man["head_vocab"] == {"rows": len(want)}
     assert man["quantization"]["head_rows"] == len(want)
     assert "head_ids" not in _manifest(full / "int4")
+    agr = man["agreement_vs_fp32"]          # compared on the kept ids: finite differences
+    assert agr["head_vocab"] == len(want) and 0.0 <= agr["greedy_agreement"] <= 1.0
+    assert 0.0 < agr["max_abs_logit_diff"] < 1e3 and math.isfinite(agr["mean_abs_logit_diff"])
     rf, rs = OnnxRunner(full / "int4", threads=1), OnnxRunner(sub / "int4", threads=1)
     assert rs.vocab_size == VOCAB and rs.session.get_outputs()[0].shape[-1] == len(want)
     lf, ls = rf.forward_np(prompts[0], last=2), rs.forward_np(prompts[0], last=2)

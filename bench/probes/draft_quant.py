@@ -67,7 +67,7 @@ def _agreement(runner, prompt: list[int], cont: list[int], depth: int,
     prefill seconds) of one prompt; ``prefill``: a TorchPrefill fills ``prompt[:-1]``."""
     import numpy as np
 
-    from bench.probes.skip_agreement import _leading
+    from bench.probes.skip_agreement import accepted_run
 
     runner.reset()
     t0 = time.perf_counter()
@@ -78,8 +78,8 @@ def _agreement(runner, prompt: list[int], cont: list[int], depth: int,
     pre_s = time.perf_counter() - t0
     logits = runner.forward_np(prompt[-1:] + cont[:-1], last=len(cont))
     hit = (np.asarray(logits).argmax(-1) == np.asarray(cont)).tolist()
-    return (sum(hit), len(hit), sum(_leading(hit[i:i + depth]) for i in range(len(hit))),
-            pre_s)
+    runs = sum(accepted_run(hit[i:i + depth]) for i in range(len(hit)))
+    return sum(hit), len(hit), runs, pre_s
 
 
 def main(argv=None) -> dict:

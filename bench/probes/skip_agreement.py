@@ -156,7 +156,7 @@ def _sublayer_rows(t, x, r1: int, m: int, L: int, n: int, N: int, idx, pos, mask
     h = t.run_layers(h, m, L, pos, mask)
     t.crop(N)
     hb = (t.logits(h).argmax(-1) == ref[idx]).tolist()
-    out["acc"] += [_leading(hb[r:r + D]) for r in range(0, len(hb), D)]
+    out["acc"] += [accepted_run(hb[r:r + D]) for r in range(0, len(hb), D)]
 
 
 def parse_layers(text: str) -> list[int]:
@@ -168,7 +168,9 @@ def parse_layers(text: str) -> list[int]:
     return sorted(out)
 
 
-def _leading(hits: list[bool]) -> int:
+def accepted_run(hits: list[bool]) -> int:
+    """Leading ``True`` entries of ``hits`` (per-position draft == target matches): the
+    tokens a chain verifier accepts from a block with these matches."""
     n = 0
     for h in hits:
         if not h:
@@ -282,7 +284,7 @@ def main(argv=None) -> dict:
                 k = f"{kind}@{E}"
                 hits[k]["a1"] += hit
                 hits[k]["own"] += hit
-                hits[k]["acc"] += [_leading(hit[s:s + D]) for s in range(n - D + 1)]
+                hits[k]["acc"] += [accepted_run(hit[s:s + D]) for s in range(n - D + 1)]
         idx, pos, mask = _block_rows(n, D, p0, N, a.prefix_only)
         variants = [(f"skip {r1}+{r2}", r1, r2, None) for E in splits for r1, r2 in splits[E]]
         variants += [(f"skip+T {r1}+{r2}", r1, r2, wb) for (r1, r2), wb in trans.items()]
@@ -316,7 +318,7 @@ def main(argv=None) -> dict:
             out = t.run_list(x[:, idx], tail, pos, mask)
             t.crop(N)
             hb = (t.logits(out).argmax(-1) == ref[idx]).tolist()
-            hits[k]["acc"] += [_leading(hb[r:r + D]) for r in range(0, len(hb), D)]
+            hits[k]["acc"] += [accepted_run(hb[r:r + D]) for r in range(0, len(hb), D)]
         print(f"# {w} prompt of {len(prompt)} tokens done ({time.perf_counter() - t0:.0f} s)",
               flush=True)
     rows = {k: {"a1": sum(v["a1"]) / len(v["a1"]), "own": sum(v["own"]) / len(v["own"]),

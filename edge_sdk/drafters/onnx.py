@@ -354,7 +354,7 @@ class OnnxRunner:
         self.crop(min(common, len(context) - 1))
         new = context[len(self.ids):]
         if self.prefill is not None and self.prefill.wants(len(new) - 1):
-            self.catch_up(new[:-1])
+            self.prefill.extend(self, new[:-1])
             new = new[-1:]
         return self.forward(new, last=1)[-1]
 

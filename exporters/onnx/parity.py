@@ -128,12 +128,18 @@ def compare_exports(variant: str | os.PathLike, reference: str | os.PathLike,
     (``free_run_identical_prefix`` = tokens identical before the first divergence,
     averaged over prompts; ``free_run_identical`` = prompts fully identical).
 
+    A variant with a subset LM head (FR-Spec; its logits are -inf outside the kept ids)
+    is compared on the kept ids only: the logit differences over its ``head_ids``
+    columns, the agreement as is (a target token outside them is a disagreement).
+
     Returns:
         dict with those fields plus ``max_abs_logit_diff`` / ``mean_abs_logit_diff``
-        (teacher-forced, logit units), ``prompts`` and ``steps``.
+        (teacher-forced, logit units), ``prompts``, ``steps`` and ``head_vocab`` (the
+        variant's kept rows, None for a full head).
     """
     ref = OnnxRunner(_onnx_path(reference), providers="cpu", threads=threads)
     var = OnnxRunner(_onnx_path(variant), providers="cpu", threads=threads)
+    cols = var.head_ids
     agree = total = identical = 0
     prefix, max_d, sum_d, n_d = [], 0.0, 0.0, 0
     for prompt in prompts:
@@ -142,6 +148,8 @@ def compare_exports(variant: str | os.PathLike, reference: str | os.PathLike,
         agree += sum(a == b for a, b in zip(rt, vt))
         total += steps
         for a, b in zip(rrows, vrows):
+            if cols is not None:
+                a, b = a[cols], b[cols]
             mx, sm, n = _logit_diff(a, b)
             max_d, sum_d, n_d = max(max_d, mx), sum_d + sm, n_d + n
         ft, _ = _greedy_run(var, prompt, steps)
@@ -152,6 +160,7 @@ def compare_exports(variant: str | os.PathLike, reference: str | os.PathLike,
             "greedy_agreement": agree / max(total, 1),
             "free_run_identical_prefix": sum(prefix) / max(len(prefix), 1),
             "free_run_identical": identical,
-            "max_abs_logit_diff": max_d, "mean_abs_logit_diff": sum_d / max(n_d, 1)}
+            "max_abs_logit_diff": max_d, "mean_abs_logit_diff": sum_d / max(n_d, 1),
+            "head_vocab": None if cols is None else int(len(cols))}
 
 
