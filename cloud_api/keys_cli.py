@@ -58,7 +58,8 @@ def _show_new(rec, raw: str) -> None:
 
 @click.group("keys")
 @click.option("--db", "db", envvar="SPECRELAY_KEYS_DB", default=DEFAULT_DB,
-              show_default=True, help="Key store SQLite file.")
+              show_default=True, show_envvar=True,
+              help="Key store SQLite file (the one `specrelay serve` reads).")
 @click.pass_context
 def keys(ctx: click.Context, db: str) -> None:
     """Manage API keys (stored hashed in a SQLite file; `serve --db` reads the same).

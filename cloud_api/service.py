@@ -242,9 +242,11 @@ class CloudService:
         self.delete(sid, owner)
 
     async def health(self) -> dict:
-        """``GET /healthz``'s map: open sessions, vocabulary size, tokenizer hash."""
+        """``GET /healthz``'s map: open sessions, vocabulary size, tokenizer hash, the
+        target's context (tokens; a longer prompt is refused)."""
         return {"status": "ok", "sessions": len(self.sessions),
-                "vocab_size": self.verifier.vocab_size, "tokenizer_hash": self.fingerprint}
+                "vocab_size": self.verifier.vocab_size, "tokenizer_hash": self.fingerprint,
+                "max_context": self.verifier.max_context}
 
     def stats(self) -> dict:
         """Load figures: open sessions, KV-cache bytes they hold, target passes and

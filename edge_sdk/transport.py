@@ -115,9 +115,12 @@ class Transport:
                         parsed = None
                     raise RemoteError(status, parsed, data[:200].decode("utf8", "replace"))
             except aiohttp.ClientSSLError as e:
+                why = _reason(e)
+                fix = ("the server speaks plain HTTP? use an http:// URL"
+                       if "WRONG_VERSION_NUMBER" in why else
+                       "trust the server's CA certificate (CLI --ca-cert, SDK ssl_context=)")
                 raise TLSVerifyError(
-                    f"TLS handshake with {self.base_url} failed ({_reason(e)}): trust the "
-                    "server's CA certificate (CLI --ca-cert, SDK ssl_context=)") from None
+                    f"TLS handshake with {self.base_url} failed ({why}): {fix}") from None
             except UNREACHABLE:
                 if attempt >= self.retries:
                     raise

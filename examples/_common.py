@@ -16,6 +16,21 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # no "Loading weigh
 OFFLINE_TIMEOUT_S = 10.0
 
 
+def int_range(lo: int, hi: int):
+    """An argparse ``type``: an integer in ``lo..hi`` (else argparse's usage error)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is not in the range {lo}..{hi}")
+        return v
+    return parse
+
+
 @dataclass
 class Backend:
     """Where the cloud is and how to sign for it."""
@@ -52,8 +67,15 @@ def check_server(url: str, api_key: str | None) -> None:
     from edge_sdk.protocol.signing import Signer
     from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
 
-    async def probe():
+    from edge_sdk.protocol.signing import InvalidApiKey
+
+    try:
         signer = Signer.from_api_key(api_key) if api_key else None
+    except InvalidApiKey as e:
+        raise ExampleError(f"{e}: check --api-key / SPECRELAY_API_KEY (a key looks like "
+                           "sr_live_..., as `specrelay keys create` prints it)") from None
+
+    async def probe():
         t = Transport(url, signer=signer, retries=0, timeout_s=5.0)
         try:
             await t.request("GET", "/healthz")
@@ -87,8 +109,9 @@ def run_main(main) -> None:
     try:
         main()
     except (ExampleError, CloudUnreachable, RemoteError, TLSVerifyError,
-            FileNotFoundError) as e:
-        print(f"Error: {e}", file=sys.stderr)
+            FileNotFoundError, ValueError) as e:   # ValueError: a bad sampling value
+        print(f"Error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -25,8 +25,9 @@ if __package__ in (None, ""):            # run as a script: make the repo import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge_sdk.defaults import DEFAULT_DEPTH  # noqa: E402
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS  # noqa: E402
 from examples._common import (  # noqa: E402
-    OFFLINE_TIMEOUT_S, backend, check_server, load_draft, run_main,
+    OFFLINE_TIMEOUT_S, backend, check_server, int_range, load_draft, run_main,
 )
 
 STAT_KEYS = ("acceptance_rate", "mean_accepted_length", "ttft_s", "tpot_s",
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="qwen2.5-coder-1.5b",
                    help="in-process target model (smollm2-135m: the small pair)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
-    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+    p.add_argument("--depth", type=int_range(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH,
                    help="draft depth (tokens per block); the SDK's default policy also "
                    "drafts the next block while one is verified (IPDG + send-ahead)")
     p.add_argument("--threads", type=int, default=1,
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None,
                    help="non-interactive: one turn, print the streamed reply, exit")
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int_range(1, 8192), default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None, *, drafter=None, tokenizer=None) -> Chat
     """Run the chat; returns the :class:`ChatSession` (history, last result, streamed
     pieces). ``drafter``/``tokenizer`` skip loading the draft (tests)."""
     args = build_parser().parse_args(argv)
+    from edge_sdk import SamplingConfig
+
+    SamplingConfig(temperature=args.temperature, top_p=args.top_p)  # ValueError: bad value
     if args.url:
         check_server(args.url, args.api_key)        # fail fast, before models load
     if args.threads:

@@ -40,8 +40,9 @@ if __package__ in (None, ""):            # run as a script: make the repo import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge_sdk.defaults import DEFAULT_DEPTH  # noqa: E402
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS  # noqa: E402
 from examples._common import (  # noqa: E402
-    OFFLINE_TIMEOUT_S, backend, check_server, load_draft, run_main,
+    OFFLINE_TIMEOUT_S, backend, check_server, int_range, load_draft, run_main,
 )
 from examples.robot_commands import (Action, ParseError, expected_actions,  # noqa: E402
                                      parse_action, satisfied)
@@ -316,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="qwen2.5-coder-1.5b",
                    help="in-process target model (smollm2-135m: the small pair)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
-    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+    p.add_argument("--depth", type=int_range(1, MAX_DRAFT_TOKENS), default=DEFAULT_DEPTH,
                    help="draft depth (tokens per block); the SDK's default policy also "
                    "drafts the next block while one is verified (IPDG + send-ahead)")
     p.add_argument("--threads", type=int, default=1,
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instructions", default="scripted",
                    help="file with one instruction per line, or 'scripted' (default)")
     p.add_argument("--max-rounds", type=int, default=3, help="rounds per instruction")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per round")
+    p.add_argument("--max-new-tokens", type=int_range(1, 8192), default=48, help="tokens per round")
     p.add_argument("--json", dest="as_json", action="store_true",
                    help="print one JSON report instead of the table")
     p.add_argument("--quiet", action="store_true", help="no per-action log")

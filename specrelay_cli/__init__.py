@@ -43,6 +43,11 @@ def _one_line(e: BaseException) -> str | None:
             f"pip install -c constraints.txt -e \".[{extra}]\"")
     if isinstance(e, (CloudUnreachable, TLSVerifyError, PartsError)):
         return str(e)
+    from edge_sdk.protocol.signing import InvalidApiKey
+
+    if isinstance(e, InvalidApiKey):
+        return (f"{e}: check --api-key / SPECRELAY_API_KEY (a key looks like "
+                "sr_live_..., as `specrelay keys create` prints it)")
     if isinstance(e, RemoteError):
         hint = {401: " (check --api-key / SPECRELAY_API_KEY)",
                 403: " (the key lacks a scope or its quota is spent)",

@@ -54,6 +54,24 @@ def test_untrusted_certificate_is_named_and_not_retried(tmp_path, target, tok):
         assert "--ca-cert" in one_line_error(r) and dt < 5.0   # not waited out
 
 
+def test_https_to_a_plain_http_server_says_use_http(target, tok):
+    with BackgroundServer(create_app(target, tok)) as srv:
+        url = srv.url.replace("http://", "https://")
+        r, dt = run("generate", "Hi", "--url", url, "--offline-timeout", "30")
+        msg = one_line_error(r)
+        assert "use an http:// URL" in msg and "--ca-cert" not in msg and dt < 5, msg
+
+
+def test_a_malformed_key_names_where_keys_come_from(target, tok):
+    with BackgroundServer(create_app(target, tok)) as srv:
+        for bad, why in [("sr_live_nope", "malformed API key"),
+                         ("sr_live_" + "Q" * 60, None)]:
+            r, _ = run("generate", "Hi", "--url", srv.url, "--api-key", bad)
+            msg = one_line_error(r)
+            assert "--api-key / SPECRELAY_API_KEY" in msg and "sr_live_" in msg, msg
+            assert why is None or why in msg
+
+
 def test_sdk_raises_certificate_errors_at_once(tmp_path, target, draft, tok):
     import asyncio
 

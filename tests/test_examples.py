@@ -21,6 +21,34 @@ from examples.robot_world import SCRIPTED_INSTRUCTIONS, Robot, default_world
 # ----------------------------------------------------------------------- no model
 
 
+@pytest.mark.parametrize("script", ["chat_app.py", "robot_agent.py"])
+def test_bad_input_is_one_line_before_any_model_loads(script):
+    """A malformed key, a bad sampling value: one ``Error:`` line naming the fix, exit
+    1; an out-of-range depth or token count: argparse's usage error, exit 2; no
+    traceback, no model load (seconds)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cases = [(["--url", "http://127.0.0.1:9", "--api-key", "bogus"], 1,
+              "--api-key / SPECRELAY_API_KEY"),
+             (["--depth", "99"], 2, "not in the range 1..16"),
+             (["--max-new-tokens", "0"], 2, "not in the range 1..8192")]
+    if script == "chat_app.py":
+        cases += [(["--temperature", "-1"], 1, "temperature"),
+                  (["--top-p", "3"], 1, "top_p")]
+    for args, code, needle in cases:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, str(root / "examples" / script), *args],
+                           capture_output=True, text=True, timeout=120, cwd=root)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == code and "Traceback" not in r.stderr, (args, r.stderr)
+        assert needle in err[-1] and time.monotonic() - t0 < 60, (args, err)
+        assert code == 2 or err[-1].startswith("Error: ")
+
+
+
 @pytest.mark.parametrize("line, want", [
     ("move east 3", Action("move", "east", 3)),
     ("1. go north 2 steps", Action("move", "north", 2)),

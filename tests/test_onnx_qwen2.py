@@ -151,6 +151,42 @@ def test_draft_quant_agreement_is_the_chains_accepted_length(exported):
     assert n == 10 and m <= 9 and acc >= 4 + 4 + 3 + 2 + 1 and r.cache_len() == 4 + 9
 
 
+def test_long_runs_go_through_the_graph_in_chunks(model, exported, monkeypatch):
+    """Chunked prefill: a run longer than PREFILL_CHUNK is appended in calls of at most
+    that many tokens (bounded attention memory for a long prompt) and leaves the cache,
+    and the logits of its last rows (across chunk borders too), as one call does; the
+    torch prefill chunks the same way."""
+    import edge_sdk.drafters.onnx as onnx_mod
+    from edge_sdk.drafters.prefill import TorchPrefill
+
+    ctx = torch.randint(2, VOCAB, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    whole = OnnxRunner(exported, threads=1)
+    want = whole.forward_np(ctx, last=9)
+    monkeypatch.setattr(onnx_mod, "PREFILL_CHUNK", 5)
+    chunked = OnnxRunner(exported, threads=1)
+    sizes = []
+    run = chunked._run
+    chunked._run = lambda ids, rows: (sizes.append((len(ids), rows)), run(ids, rows))[1]
+    got = chunked.forward_np(ctx, last=9)
+    assert sizes == [(5, 1), (5, 1), (5, 1), (5, 5), (3, 3)]   # rows 14..22 = the last 9
+    assert got.shape == want.shape == (9, VOCAB) and np.allclose(got, want, atol=1e-4)
+    assert chunked.ids == ctx and chunked.cache_len() == 23
+    for x, y in zip(chunked.past, whole.past):
+        assert np.allclose(x, y, atol=1e-4, rtol=0)
+    more = ctx[:3] * 4                       # 12 more over a 23-token past: 5 + 5 + 2
+    assert np.allclose(chunked.forward_np(more, last=1), whole.forward_np(more, last=1),
+                       atol=1e-4)
+    pf, calls = TorchPrefill(model, min_tokens=4), []
+    extend = TorchPrefill.extend
+    monkeypatch.setattr(TorchPrefill, "extend",
+                        lambda self, r, t: (calls.append(len(t)), extend(self, r, t))[1])
+    viat = OnnxRunner(exported, threads=1)
+    pf.extend(viat, ctx[:12])
+    assert calls == [12, 5, 5, 2] and viat.ids == ctx[:12]
+    for x, y in zip(viat.past, whole.past):
+        assert np.allclose(x, y[:, :, :12], atol=1e-4, rtol=0)
+
+
 def test_torch_prefill_fills_the_cache_as_the_graph_does(model, exported):
     """A runner whose long catch-ups go through the torch model (TorchPrefill) holds the
     keys/values and returns the logits the float32 graph does: from an empty cache,

@@ -203,10 +203,24 @@ def test_bad_raw_requests_are_400_openai_shape(stack):
         assert set(out["error"]) == {"message", "type", "param", "code"}
 
 
-def test_context_overflow_from_cloud_is_400(oai):
-    # the tiny target's context is 256 positions: the cloud refuses, the edge says 400
-    with pytest.raises(openai.BadRequestError):
+def test_context_overflow_is_400_before_any_drafting(oai, stack):
+    """The tiny target's context is 256 positions (the cloud's /healthz says so): a
+    longer prompt is refused by the edge itself, naming the OpenAI field, before the
+    draft's prefill; a field the cloud refuses is named as the OpenAI request names
+    it (max_tokens, not the wire's max_new_tokens)."""
+    with pytest.raises(openai.BadRequestError) as ei:
         oai.completions.create(model=MODEL, prompt=[5] * 300, max_tokens=4)
+    err = ei.value.body
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    assert "300 tokens" in err["message"] and "256" in err["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": " ".join(["w3"] * 300)}])
+    assert ei.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=10 ** 7)
+    err = ei.value.body
+    assert err["param"] == "max_tokens" and "max_new_tokens" not in err["message"], err
 
 
 def test_models_endpoint(oai):

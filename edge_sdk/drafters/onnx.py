@@ -37,6 +37,9 @@ KEEP_INPUT = "logits_to_keep"
 #: Token ids of a subset LM head's logit columns (int64 [K], ``numpy.save``), beside
 #: the graph; the manifest's ``head_ids`` names it (exports since 2026-12-06).
 HEAD_IDS_FILE = "head_ids.npy"
+#: The most tokens one graph call appends (:meth:`OnnxRunner.forward_np` splits longer
+#: runs): bounds a long prompt's attention scores to [heads, 512, context] per layer.
+PREFILL_CHUNK = 512
 
 #: Execution providers in order of preference when none is given explicitly.
 PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider",
@@ -305,14 +308,37 @@ class OnnxRunner:
         back to V as float32, :meth:`full_vocab`). A graph with a
         ``logits_to_keep`` input computes only those rows (a prefill then skips the LM
         head for every prompt position but the last); an older export computes all k
-        and the rest are dropped here."""
+        and the rest are dropped here.
+
+        A run longer than :data:`PREFILL_CHUNK` tokens goes through the graph in chunks
+        of that many (chunked prefill, as vLLM and llama.cpp's ``n_ubatch`` do): the
+        graph's attention holds a [heads, k, P + k] score matrix, so a 20,000-token
+        prompt in one call would need tens of GB; in chunks it needs
+        [heads, PREFILL_CHUNK, P + k]. Same cache, same positions; only the float
+        rounding of the chunked matmuls differs (a draft's logits never touch
+        exactness)."""
         if not new_ids:
             raise ValueError("forward() needs at least one token")
-        outs = self.session.run(self.output_names, self.feeds(new_ids, last))
+        k = len(new_ids)
+        rows = self._rows(k, last)
+        if k <= PREFILL_CHUNK:
+            return self._run(list(new_ids), rows)
+        out = []
+        for s in range(0, k, PREFILL_CHUNK):
+            part = list(new_ids[s:s + PREFILL_CHUNK])
+            need = rows - (k - s - len(part))      # of this chunk's rows, among the last
+            got = self._run(part, max(1, min(need, len(part))))
+            if need > 0:
+                out.append(got[-min(need, len(part)):])
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _run(self, new_ids: list[int], rows: int) -> np.ndarray:
+        """One graph call appending ``new_ids`` [k]: the logits of its last ``rows``."""
+        outs = self.session.run(self.output_names, self.feeds(new_ids, rows))
         self.past = outs[1:]
         self.ids.extend(int(t) for t in new_ids)
         self.check()
-        return self.full_vocab(outs[0][0][-self._rows(len(new_ids), last):])  # older: all k
+        return self.full_vocab(outs[0][0][-rows:])        # an older graph: all k rows
 
     def full_vocab(self, logits: np.ndarray) -> np.ndarray:
         """Graph logits [T, K] as float32 logits over the whole vocabulary [T, V]: with a

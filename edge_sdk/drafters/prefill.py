@@ -67,9 +67,18 @@ class TorchPrefill:
         k new keys/values [1, H_kv, k, D] come from one torch forward at positions
         P..P+k-1 over that past and are widened to the runner's KV dtype.
 
+        A run longer than the graph's ``PREFILL_CHUNK`` goes in chunks of that many
+        (bounded attention memory, as the graph does).
+
         Raises ValueError for an empty run or a runner of another geometry."""
         if not tokens:
             raise ValueError("extend() needs at least one token")
+        from edge_sdk.drafters.onnx import PREFILL_CHUNK
+
+        if len(tokens) > PREFILL_CHUNK:
+            for s in range(0, len(tokens), PREFILL_CHUNK):
+                self.extend(runner, tokens[s:s + PREFILL_CHUNK])
+            return
         if (runner.num_layers, runner.num_kv_heads, runner.head_dim) != (
                 self.num_layers, self.num_kv_heads, self.head_dim):
             raise ValueError("the torch prefill model and the ONNX draft differ in shape")

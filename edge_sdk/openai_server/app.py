@@ -12,8 +12,8 @@ from aiohttp import web
 
 from edge_sdk.client import EdgeClient
 from edge_sdk.defaults import DEFAULT_DEPTH
-from edge_sdk.openai_server.request import (BadRequest, parse_chat_request,
-                                            parse_completion_request)
+from edge_sdk.openai_server.request import (BadRequest, check_prompt_length,
+                                            parse_chat_request, parse_completion_request)
 from edge_sdk.openai_server.responses import Envelope, Run, error_response, upstream_error
 from edge_sdk.openai_server.sse import stream_response
 from edge_sdk.transport import RemoteError
@@ -31,15 +31,35 @@ async def _json_body(request: web.Request):
         raise BadRequest("request body is not valid JSON") from None
 
 
+async def _max_context(app: web.Application) -> int | None:
+    """The target's context in tokens, read once from the cloud's ``/healthz`` (None
+    while the cloud cannot say: an older server, or none reachable; asked again
+    next time)."""
+    settings = app[SETTINGS]
+    if settings.get("max_context") is None:
+        import asyncio
+
+        try:
+            data, _ = await asyncio.wait_for(
+                app[CLIENT].transport.request("GET", "/healthz"), 5.0)
+            settings["max_context"] = int(json.loads(data)["max_context"])
+        except Exception:  # noqa: BLE001 - best effort: the cloud still checks
+            return None
+    return settings["max_context"]
+
+
 async def _parse(request: web.Request, kind: str):
-    """The validated request. Raises BadRequest (SamplingConfig's ValueError too)."""
+    """The validated request; a prompt longer than the target's context is refused
+    here, before the draft's prefill. Raises BadRequest (SamplingConfig's ValueError
+    too)."""
     settings, tok = request.app[SETTINGS], request.app[CLIENT].tokenizer
     body = await _json_body(request)
     try:
-        return (parse_chat_request(body, tok, settings["default_max_tokens"])
-                if kind == "chat" else parse_completion_request(body, tok))
+        req = (parse_chat_request(body, tok, settings["default_max_tokens"])
+               if kind == "chat" else parse_completion_request(body, tok))
     except ValueError as e:      # SamplingConfig and the like
         raise BadRequest(str(e)) from None
+    return check_prompt_length(req, await _max_context(request.app))
 
 
 async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
@@ -60,7 +80,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         while await run.next() is not None:
             pass
     except Exception as e:  # noqa: BLE001 - mapped to an OpenAI error
-        return error_response(upstream_error(e))
+        return error_response(upstream_error(e, kind))
     finally:
         await run.close()
     return web.json_response(env.completion(req, run, run.gen.result()))

@@ -14,7 +14,8 @@ from edge_sdk.openai_server.prompts import chat_prompt_ids
 from edge_sdk.protocol.sampling import SamplingConfig
 
 __all__ = ["BadRequest", "OpenAIRequest", "parse_chat_request", "parse_completion_request",
-           "CHAT_FIELDS", "COMPLETION_FIELDS", "CHAT_ROLES", "MAX_STOP"]
+           "CHAT_FIELDS", "COMPLETION_FIELDS", "CHAT_ROLES", "MAX_STOP",
+           "check_prompt_length"]
 
 MAX_STOP = 4
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
@@ -197,6 +198,18 @@ def _common(body: dict, prompt_ids: list[int], kind: str, default_max: int,
     sampling = SamplingConfig(temperature=temperature, top_p=top_p)
     return OpenAIRequest(kind, prompt_ids, sampling, max_tokens, stop, seed, stream,
                          include_usage, _acceptance(body, sampling))
+
+
+def check_prompt_length(req: OpenAIRequest, max_context: int | None) -> OpenAIRequest:
+    """Refuse a prompt the target's context cannot hold (``max_context`` tokens, as the
+    cloud's ``/healthz`` states it; None: unknown, no check) before any drafting or
+    upload: 400 naming ``messages`` (chat) or ``prompt``. Returns ``req``."""
+    if max_context and len(req.prompt_ids) >= max_context:
+        raise BadRequest(f"the prompt is {len(req.prompt_ids)} tokens; the model's "
+                         f"context holds {max_context}, the prompt included",
+                         "messages" if req.kind == "chat" else "prompt",
+                         code="context_length_exceeded")
+    return req
 
 
 def _content_text(content, i: int) -> str:

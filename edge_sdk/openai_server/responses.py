@@ -17,8 +17,15 @@ def error_response(e: BadRequest) -> web.Response:
     return web.json_response(e.body(), status=e.status)
 
 
-def upstream_error(e: Exception) -> BadRequest:
-    """An error from the cloud (or reaching it) in OpenAI's shape."""
+#: the cloud's wire field -> the OpenAI field a client of this endpoint set
+_OPENAI_PARAM = {"max_new_tokens": "max_tokens", "prompt": "messages",
+                 "prompt_ids": "messages", "prompt_packed": "messages"}
+
+
+def upstream_error(e: Exception, kind: str = "chat") -> BadRequest:
+    """An error from the cloud (or reaching it) in OpenAI's shape; a refused field is
+    named as the OpenAI request names it (``max_tokens``; ``messages`` for a chat and
+    ``prompt`` for a completion: the prompt)."""
     if isinstance(e, RemoteError):
         msg = f"cloud verification API: {e}"
         if e.status == 429:
@@ -27,7 +34,10 @@ def upstream_error(e: Exception) -> BadRequest:
             return BadRequest(msg + " (check the edge server's --api-key)", None, 502,
                               "server_error", e.code)
         if 400 <= e.status < 500:
-            param = "messages" if e.field == "prompt" else e.field
+            param = _OPENAI_PARAM.get(e.field, e.field)
+            if param == "messages" and kind != "chat":
+                param = "prompt"
+            msg = msg.replace(f"(field {e.field})", f"(field {param})") if param else msg
             return BadRequest(msg, param, 400, "invalid_request_error", e.code)
         return BadRequest(msg, None, 502, "server_error", e.code)
     if isinstance(e, ValueError):

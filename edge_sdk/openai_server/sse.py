@@ -63,7 +63,7 @@ async def stream_response(request: web.Request, client: EdgeClient, req: OpenAIR
         first = await run.next()
     except Exception as e:  # noqa: BLE001
         await run.close()
-        return error_response(upstream_error(e))
+        return error_response(upstream_error(e, req.kind))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -74,7 +74,7 @@ async def stream_response(request: web.Request, client: EdgeClient, req: OpenAIR
         raise                           # the client went away: just stop generating
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-stream
         try:
-            await send(upstream_error(e).body())
+            await send(upstream_error(e, req.kind).body())
         except ConnectionResetError:
             pass
     finally:
