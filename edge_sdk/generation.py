@@ -33,7 +33,7 @@ from edge_sdk.protocol import rng
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.protocol.wire import ACCEPTANCE
 from edge_sdk.results import CloudUnreachable, GenerationResult, TokenEvent
-from edge_sdk.session import Ahead, RemoteSession, SessionParams
+from edge_sdk.session import Ahead, RemoteSession, SessionParams, new_request_id
 
 
 PREFILL_STEPS = ("greedy", "always", "off")
@@ -79,6 +79,7 @@ class Generation:
         self.sess = RemoteSession(client.transport, self._params(), self.m,
                                   self.channel.state)
         self.sess.siblings = client.siblings
+        self._recreate_rid: tuple[int, str] | None = None   # (prefix length, request id)
         self.loss = CloudLoss(client.on_cloud_loss, client.offline_timeout_s,
                               client.probe_interval_s, client.transport)
         self.round_idx = 0                      # verification rounds so far (the draws)
@@ -146,9 +147,10 @@ class Generation:
         unchanged; the TTFT becomes the target's own."""
         first = (asyncio.ensure_future(self._draft_first(self.prompt_ids))
                  if self.pro.drafter is not None else None)
+        rid = new_request_id()             # one create, however often it is retried
         try:
             info = await self.loss.until_reachable(
-                lambda: self.sess.create(self.prompt_ids, self.max_new_tokens))
+                lambda: self.sess.create(self.prompt_ids, self.max_new_tokens, rid))
         except BaseException:
             if first is not None:           # the create's error is the one to raise
                 await asyncio.gather(first, return_exceptions=True)
@@ -205,8 +207,13 @@ class Generation:
         """The next confirmed tokens and whether the target verified them."""
         if self.loss.offline:
             local = self.loss.policy == "local"
+            if self._recreate_rid is None or self._recreate_rid[0] != len(tokens):
+                # one id per re-created prefix: a probe that timed out and the next
+                # one share the cloud's prefill; a longer prefix is another create
+                self._recreate_rid = (len(tokens), new_request_id())
+            rid = self._recreate_rid[1]
             return await self.loss.offline_step(
-                lambda: self.sess.create(list(tokens), self.committer.remaining),
+                lambda: self.sess.create(list(tokens), self.committer.remaining, rid),
                 (lambda: self._local_offline(tokens)) if local
                 else (lambda: self._draft_offline(tokens))), local
         header = self.sess.header()

@@ -31,6 +31,11 @@ from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.transport import MSGPACK, UNREACHABLE, RemoteError, Transport
 
 
+def new_request_id() -> str:
+    """A fresh idempotency key for one session create (16 URL-safe characters)."""
+    return secrets.token_urlsafe(12)
+
+
 @dataclass(frozen=True)
 class SessionParams:
     """What session create sends besides the prompt (fixed for one request).
@@ -125,14 +130,17 @@ class RemoteSession:
         self.m.downlink_bytes += len(data)
         return data
 
-    async def create(self, prompt_ids: list[int], max_new: int) -> dict:
+    async def create(self, prompt_ids: list[int], max_new: int,
+                     request_id: str | None = None) -> dict:
         """Create (or re-create) the session on the confirmed prefix ``prompt_ids``;
         returns the cloud's answer (``eos_token_ids``, ``max_block``, ...). The body
-        carries a fresh ``request_id``: the transport's retries resend the same bytes,
-        so a create whose answer was lost gets the same session, not a second one (a
+        carries ``request_id`` (None: a fresh one): the transport's retries resend the
+        same bytes, and a caller that retries the create itself (waiting out a lost
+        cloud) passes the same id, so a create whose answer was lost or late gets the
+        same session, not a second one and a second prefill of the prompt (a
         server that does not know ``request_id`` or ``prompt_packed`` is asked again
         without it)."""
-        packed, rid = True, {"request_id": secrets.token_urlsafe(12)}
+        packed, rid = True, {"request_id": request_id or new_request_id()}
         while True:
             body = {**self.params.body(prompt_ids, max_new, packed), **rid}
             try:

@@ -61,13 +61,13 @@ def check_key(url: str, signer, ca_cert: str | None) -> str | None:
     """Ask the API whether it accepts ``signer``'s key, before any model loads: a signed
     ``GET /v1/sessions/0`` is answered 404 (no such session) for an accepted key and
     401/403 for a refused one. Returns None when accepted, else the refusal as one line
-    (``HTTP 401 unknown_key: ...``). Without a signer there is nothing to check."""
+    (``HTTP 401 unknown_key: ...``). Without a signer the same request goes unsigned: a
+    server that requires keys answers 401 ``missing_credentials`` (no key given), one
+    run with ``--insecure-no-auth`` 404."""
     import ssl
 
     from edge_sdk.transport import RemoteError, Transport
 
-    if signer is None:
-        return None
     ctx = ssl.create_default_context(cafile=ca_cert) if ca_cert else None
 
     async def once():

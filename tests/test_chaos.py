@@ -104,6 +104,21 @@ def test_a_create_whose_answer_is_lost_leaves_no_second_session(live, drafter, t
     assert len(svc.sessions) == n0       # the retry got the same session, deleted at the end
 
 
+def test_a_create_retried_past_the_transports_retries_is_one_session(live, drafter, tok,
+                                                                     refs):
+    """The answers to the first three creates lost, one more than the transport's two
+    retries: the client's own retry of the create (waiting out a lost cloud) carries
+    the same request id, so the cloud makes one session (one prefill of the prompt),
+    not a second that lingers, and the output is the fault-free one."""
+    srv, svc = live
+    n0 = len(svc.sessions)
+    s = _settings(modes=("stop-and-wait",), samplings={"greedy": SamplingConfig()})
+    row = run_fault(srv, drafter, tok, s,
+                    Fault("d3", "drop-response", "create", (1, 2, 3)), refs)
+    _clean(row)
+    assert row.injected == 3 and len(svc.sessions) == n0
+
+
 def test_create_with_a_request_id_is_idempotent(live):
     from edge_sdk.protocol import wire
     from tests.conftest import RawHTTP

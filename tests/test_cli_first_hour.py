@@ -305,6 +305,9 @@ def test_generate_checks_the_key_before_loading_the_draft(tmp_path, target, tok)
                     "--draft", "nosuch-model")
         msg = one_line_error(r)
         assert "refused the key" in msg and "unknown_key" in msg and dt < 5
+        r, dt = run("generate", "Hi", "--url", srv.url, "--draft", "nosuch-model")
+        msg = one_line_error(r)                            # no key at all
+        assert "missing_credentials" in msg and "--api-key" in msg and dt < 5, msg
         r, _ = run("generate", "Hi", "--url", srv.url, "--api-key", raw, "--draft",
                    "nosuch-model", "--debug")               # --debug after the command
         assert r.exit_code != 0 and isinstance(r.exception, FileNotFoundError)
