@@ -89,6 +89,9 @@ class SlowdownDrafter(Drafter):
     def cache_len(self) -> int:
         return self.inner.cache_len()
 
+    def stop_prefill(self, on: bool) -> None:
+        self.inner.stop_prefill(on)
+
     def fork(self) -> "SlowdownDrafter":
         """A fork of the inner drafter under the same contention clock."""
         f = SlowdownDrafter(self.inner.fork(), self.factor, self.at_s, self.clock)

@@ -265,9 +265,15 @@ class Generation:
     async def _close(self) -> None:
         self.m.finish()
         if self._warming is not None:    # the request ended on target steps: the draft
-            w, self._warming = self._warming, None  # is still prefilling; hand it back
-            await asyncio.wait({w})           # once free (a cancel here cancels only
-            if not w.cancelled():             # this wait, never the prefill)
+            w, self._warming = self._warming, None  # is still prefilling: stop it at its
+            drafter = self.pro.drafter        # next chunk border, hand it back once free
+            drafter.stop_prefill(True)        # (a cancel here cancels only this wait,
+            try:                              # never the prefill)
+                await asyncio.wait({w})
+            finally:
+                if w.done():                  # no prefill left that could see the flag
+                    drafter.stop_prefill(False)
+            if not w.cancelled():
                 w.exception()                 # retrieved: the request itself succeeded
         self.c._return_drafter(self._leased)
         self.c._keep_controller(self._ctrl_key, self.ctrl)

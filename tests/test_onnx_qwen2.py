@@ -187,6 +187,36 @@ def test_long_runs_go_through_the_graph_in_chunks(model, exported, monkeypatch):
         assert np.allclose(x, y[:, :, :12], atol=1e-4, rtol=0)
 
 
+def test_a_chunked_prefill_stops_at_a_chunk_border_when_asked(exported, monkeypatch):
+    """``stop_prefill(True)`` from another thread: the chunked run raises
+    PrefillStopped at its next chunk border with the chunks done cached (consistent), a
+    later sync reuses them and returns the one-call logits; a stop asked before a sync
+    began does not stop it."""
+    import edge_sdk.drafters.onnx as onnx_mod
+    from edge_sdk.drafters.base import PrefillStopped
+
+    ctx = torch.randint(2, VOCAB, (23,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = OnnxDrafter(exported, threads=1).sync(ctx)
+    monkeypatch.setattr(onnx_mod, "PREFILL_CHUNK", 5)
+    d = OnnxDrafter(exported, threads=1)
+    run = d.runner._run
+
+    def run_then_ask(ids, rows):                  # the request ends after chunk 2
+        out = run(ids, rows)
+        if d.runner.cache_len() == 10:
+            d.stop_prefill(True)
+        return out
+    d.runner._run = run_then_ask
+    with pytest.raises(PrefillStopped, match="after 10 of 23"):
+        d.sync(ctx)
+    assert d.runner.ids == ctx[:10] and d.cache_len() == 10 and not d.runner.stopping
+    d.runner._run = run
+    assert torch.allclose(d.sync(ctx), want, atol=1e-4) and d.cache_len() == 23
+    d.runner.reset()
+    d.stop_prefill(True)                          # stale: asked before the sync began
+    assert torch.allclose(d.sync(ctx), want, atol=1e-4)
+
+
 def test_torch_prefill_fills_the_cache_as_the_graph_does(model, exported):
     """A runner whose long catch-ups go through the torch model (TorchPrefill) holds the
     keys/values and returns the logits the float32 graph does: from an empty cache,

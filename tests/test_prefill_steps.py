@@ -100,6 +100,50 @@ def test_a_request_served_wholly_by_target_steps_frees_its_draft(server, tok, dr
     assert again.token_ids == ref2.token_ids and again.metrics["drafted_tokens"] > 0
 
 
+class StoppablePrefill(SlowPrefill):
+    """A slow first cold prefill that honours ``stop_prefill`` as a chunked one does:
+    it stops (PrefillStopped, nothing cached) once asked, instead of running its
+    ``delay`` out; later prefills are quick."""
+
+    def __init__(self, model, delay: float = 30.0):
+        super().__init__(model, delay, gate=threading.Event())
+        self.stops = 0
+
+    def stop_prefill(self, on: bool) -> None:
+        if on:
+            self.stops += 1
+            self.gate.set()
+
+    def sync(self, context):
+        if self.cache_len() == 0 and len(context) > 1:
+            self.cold_prefills += 1
+            if self.cold_prefills == 1 and self.gate.wait(self.delay):   # the long one
+                from edge_sdk.drafters.base import PrefillStopped
+
+                raise PrefillStopped("stopped")
+        return TorchDrafter.sync(self, context)
+
+
+def test_a_request_that_ends_on_target_steps_stops_a_long_prefill(server, tok, draft):
+    """A request that ends on target steps while the draft still prefills a long
+    prompt asks the prefill to stop (a chunked prefill stops at its next chunk border)
+    instead of making its answer wait for the rest of it; the drafter then serves the
+    next request normally."""
+    async def go():
+        d = StoppablePrefill(draft)
+        async with EdgeClient(server.url, d, tok, depth=4, chat=False) as c:
+            ref, ref2 = await _refs(c, 32, None, [PROMPT, PROMPT[:-1]])
+            t0 = time.perf_counter()
+            out = await c.generate(prompt_ids=PROMPT, max_new_tokens=3)
+            wall = time.perf_counter() - t0
+            again = await c.generate(prompt_ids=PROMPT[:-1], max_new_tokens=32)
+        return ref, out, wall, again, ref2, d
+    ref, out, wall, again, ref2, d = asyncio.run(go())
+    assert out.token_ids == ref.token_ids[:3] and out.metrics["target_step_tokens"] == 3
+    assert d.stops == 1 and wall < 10.0 and d.cold_prefills == 2    # not the 30 s one
+    assert again.token_ids == ref2.token_ids and again.metrics["drafted_tokens"] > 0
+
+
 def test_sampling_requests_take_target_steps_when_asked(server, tok, draft):
     """A target step under sampling is the cloud's own draw from the target's
     distribution, from the position-keyed stream a target-only request of the same

@@ -118,6 +118,11 @@ class Proposal:
                           self._cands if greedy else None, self._conf if greedy else None)
 
 
+class PrefillStopped(RuntimeError):
+    """A long prefill stopped at a chunk border on request (:meth:`Drafter.stop_prefill`):
+    the request that wanted it ended first."""
+
+
 class Drafter(ABC):
     """Draft-model mechanism with a KV cache that rolls back to the confirmed prefix."""
 
@@ -135,6 +140,13 @@ class Drafter(ABC):
     @abstractmethod
     def cache_len(self) -> int:
         """Tokens currently in the draft KV cache."""
+
+    def stop_prefill(self, on: bool) -> None:
+        """Ask a long ``sync`` running on another thread to stop at its next chunk
+        border (``on`` True; it raises :class:`PrefillStopped`, the cache holding the
+        chunks done, which a later ``sync`` reuses), or clear the request (False).
+        Backends that prefill in one piece ignore it (the prefill then runs to its
+        end)."""
 
     def fork(self) -> "Drafter":
         """A drafter sharing this one's weights with its own KV cache, for one more

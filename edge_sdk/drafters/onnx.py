@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from edge_sdk.drafters.base import DraftBlock, Drafter, Proposal
+from edge_sdk.drafters.base import DraftBlock, Drafter, PrefillStopped, Proposal
 from edge_sdk.kvmodel import common_prefix
 
 MANIFEST_NAME = "specrelay_onnx.json"
@@ -263,6 +263,9 @@ class OnnxRunner:
         #: fills long catch-ups (a prompt) instead of the graph: a
         #: :class:`~edge_sdk.drafters.prefill.TorchPrefill`, or None
         self.prefill = None
+        #: set from another thread: a chunked run stops at its next chunk border
+        #: (:class:`~edge_sdk.drafters.base.PrefillStopped`); see ``Drafter.stop_prefill``
+        self.stopping = False
         self.reset()
 
     def cache_len(self) -> int:
@@ -325,6 +328,9 @@ class OnnxRunner:
             return self._run(list(new_ids), rows)
         out = []
         for s in range(0, k, PREFILL_CHUNK):
+            if s and self.stopping:
+                self.stopping = False            # consumed: the next run is not stopped
+                raise PrefillStopped(f"prefill stopped after {s} of {k} tokens")
             part = list(new_ids[s:s + PREFILL_CHUNK])
             need = rows - (k - s - len(part))      # of this chunk's rows, among the last
             got = self._run(part, max(1, min(need, len(part))))
@@ -376,6 +382,7 @@ class OnnxRunner:
         logits after ``context[-1]``, float32 [V]."""
         if not context:
             raise ValueError("context must hold at least one token")
+        self.stopping = False        # a stop asked before this sync began is stale
         common = common_prefix(self.ids, context)
         self.crop(min(common, len(context) - 1))
         new = context[len(self.ids):]
@@ -413,6 +420,9 @@ class OnnxDrafter(Drafter):
         self.runner = OnnxRunner(path, providers, threads, session_options)
         self.vocab_size = self.runner.vocab_size
         self.manifest = self.runner.manifest
+
+    def stop_prefill(self, on: bool) -> None:
+        self.runner.stopping = bool(on)
 
     @property
     def providers(self) -> list[str]:
