@@ -64,10 +64,8 @@ def check_server(url: str, api_key: str | None) -> None:
     import asyncio
 
     from edge_sdk.transport import UNREACHABLE
-    from edge_sdk.protocol.signing import Signer
+    from edge_sdk.protocol.signing import InvalidApiKey, Signer
     from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
-
-    from edge_sdk.protocol.signing import InvalidApiKey
 
     try:
         signer = Signer.from_api_key(api_key) if api_key else None

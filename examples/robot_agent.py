@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instructions", default="scripted",
                    help="file with one instruction per line, or 'scripted' (default)")
     p.add_argument("--max-rounds", type=int, default=3, help="rounds per instruction")
-    p.add_argument("--max-new-tokens", type=int_range(1, 8192), default=48, help="tokens per round")
+    p.add_argument("--max-new-tokens", type=int_range(1, 8192), default=48,
+                   help="tokens per round")
     p.add_argument("--json", dest="as_json", action="store_true",
                    help="print one JSON report instead of the table")
     p.add_argument("--quiet", action="store_true", help="no per-action log")

@@ -327,16 +327,24 @@ class OnnxRunner:
         if k <= PREFILL_CHUNK:
             return self._run(list(new_ids), rows)
         out = []
-        for s in range(0, k, PREFILL_CHUNK):
-            if s and self.stopping:
-                self.stopping = False            # consumed: the next run is not stopped
-                raise PrefillStopped(f"prefill stopped after {s} of {k} tokens")
+        for s in self.chunk_starts(k):
             part = list(new_ids[s:s + PREFILL_CHUNK])
             need = rows - (k - s - len(part))      # of this chunk's rows, among the last
             got = self._run(part, max(1, min(need, len(part))))
             if need > 0:
                 out.append(got[-min(need, len(part)):])
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def chunk_starts(self, k: int):
+        """Offsets 0, PREFILL_CHUNK, ... of a k-token run's chunks; before each but the
+        first, a pending stop (:attr:`stopping`) is consumed and raises
+        :class:`~edge_sdk.drafters.base.PrefillStopped` (the chunks done stay cached).
+        The one chunk loop of the graph and of :class:`TorchPrefill`."""
+        for s in range(0, k, PREFILL_CHUNK):
+            if s and self.stopping:
+                self.stopping = False            # consumed: the next run is not stopped
+                raise PrefillStopped(f"prefill stopped after {s} of {k} tokens")
+            yield s
 
     def _run(self, new_ids: list[int], rows: int) -> np.ndarray:
         """One graph call appending ``new_ids`` [k]: the logits of its last ``rows``."""

@@ -76,13 +76,7 @@ class TorchPrefill:
         from edge_sdk.drafters.onnx import PREFILL_CHUNK
 
         if len(tokens) > PREFILL_CHUNK:
-            from edge_sdk.drafters.base import PrefillStopped
-
-            for s in range(0, len(tokens), PREFILL_CHUNK):
-                if s and runner.stopping:
-                    runner.stopping = False
-                    raise PrefillStopped(f"prefill stopped after {s} of {len(tokens)} "
-                                         "tokens")
+            for s in runner.chunk_starts(len(tokens)):
                 self.extend(runner, tokens[s:s + PREFILL_CHUNK])
             return
         if (runner.num_layers, runner.num_kv_heads, runner.head_dim) != (

@@ -15,7 +15,7 @@ from edge_sdk.protocol.sampling import SamplingConfig
 
 __all__ = ["BadRequest", "OpenAIRequest", "parse_chat_request", "parse_completion_request",
            "CHAT_FIELDS", "COMPLETION_FIELDS", "CHAT_ROLES", "MAX_STOP",
-           "check_prompt_length"]
+           "check_prompt_length", "prompt_param"]
 
 MAX_STOP = 4
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
@@ -200,6 +200,11 @@ def _common(body: dict, prompt_ids: list[int], kind: str, default_max: int,
                          include_usage, _acceptance(body, sampling))
 
 
+def prompt_param(kind: str) -> str:
+    """The OpenAI field that carries the prompt of a ``kind`` request."""
+    return "messages" if kind == "chat" else "prompt"
+
+
 def check_prompt_length(req: OpenAIRequest, max_context: int | None) -> OpenAIRequest:
     """Refuse a prompt the target's context cannot hold (``max_context`` tokens, as the
     cloud's ``/healthz`` states it; None: unknown, no check) before any drafting or
@@ -207,8 +212,7 @@ def check_prompt_length(req: OpenAIRequest, max_context: int | None) -> OpenAIRe
     if max_context and len(req.prompt_ids) >= max_context:
         raise BadRequest(f"the prompt is {len(req.prompt_ids)} tokens; the model's "
                          f"context holds {max_context}, the prompt included",
-                         "messages" if req.kind == "chat" else "prompt",
-                         code="context_length_exceeded")
+                         prompt_param(req.kind), code="context_length_exceeded")
     return req
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from edge_sdk.client import EdgeClient, GenerationResult
-from edge_sdk.openai_server.request import BadRequest, OpenAIRequest
+from edge_sdk.openai_server.request import BadRequest, OpenAIRequest, prompt_param
 from edge_sdk.transport import RemoteError
 
 
@@ -18,8 +18,9 @@ def error_response(e: BadRequest) -> web.Response:
 
 
 #: the cloud's wire field -> the OpenAI field a client of this endpoint set
-_OPENAI_PARAM = {"max_new_tokens": "max_tokens", "prompt": "messages",
-                 "prompt_ids": "messages", "prompt_packed": "messages"}
+_OPENAI_PARAM = {"max_new_tokens": "max_tokens"}
+#: the cloud's wire fields that carry the prompt (named by :func:`prompt_param`)
+_PROMPT_FIELDS = {"prompt", "prompt_ids", "prompt_packed"}
 
 
 def upstream_error(e: Exception, kind: str = "chat") -> BadRequest:
@@ -34,9 +35,8 @@ def upstream_error(e: Exception, kind: str = "chat") -> BadRequest:
             return BadRequest(msg + " (check the edge server's --api-key)", None, 502,
                               "server_error", e.code)
         if 400 <= e.status < 500:
-            param = _OPENAI_PARAM.get(e.field, e.field)
-            if param == "messages" and kind != "chat":
-                param = "prompt"
+            param = (prompt_param(kind) if e.field in _PROMPT_FIELDS
+                     else _OPENAI_PARAM.get(e.field, e.field))
             msg = msg.replace(f"(field {e.field})", f"(field {param})") if param else msg
             return BadRequest(msg, param, 400, "invalid_request_error", e.code)
         return BadRequest(msg, None, 502, "server_error", e.code)
