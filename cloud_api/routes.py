@@ -121,6 +121,20 @@ async def delete_session(request: web.Request) -> web.Response:
     return web.json_response({"deleted": True})
 
 
+async def key_info(request: web.Request) -> web.Response:
+    """``GET /v1/key``: the key that signed the request (id, name, scopes, limits and
+    tokens used; never the secret), or ``{"auth": "off"}`` on a server run without keys.
+    Clients call it to check a key before loading a model: 200 means accepted, and the
+    auth middleware answers a refused key 401/403 before this handler runs."""
+    key = request.get("api_key")
+    if key is None:
+        return web.json_response({"auth": "off", "key_id": None})
+    return web.json_response({
+        "auth": "on", "key_id": key.key_id, "name": key.name,
+        "scopes": sorted(key.scopes), "rpm": key.rpm, "tpm": key.tpm,
+        "quota": key.quota, "used_tokens": key.used_tokens})
+
+
 async def healthz(request: web.Request) -> web.Response:
     svc: CloudService = request.app[SERVICE]
     return web.json_response(await svc.health())
@@ -133,4 +147,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/sessions/{sid}/correction", correction)
     app.router.add_get("/v1/sessions/{sid}", get_session)
     app.router.add_delete("/v1/sessions/{sid}", delete_session)
+    app.router.add_get("/v1/key", key_info)
     app.router.add_get("/healthz", healthz)

@@ -26,7 +26,7 @@ import torch
 from edge_sdk.drafters.base import DraftBlock
 from edge_sdk.metrics import RequestMetrics
 from edge_sdk.protocol import frames, wire
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+from edge_sdk.protocol.limits import CREATE_TIMEOUT_S_PER_TOKEN, MAX_DRAFT_TOKENS
 from edge_sdk.protocol.sampling import SamplingConfig
 from edge_sdk.transport import MSGPACK, UNREACHABLE, RemoteError, Transport
 
@@ -34,6 +34,26 @@ from edge_sdk.transport import MSGPACK, UNREACHABLE, RemoteError, Transport
 def new_request_id() -> str:
     """A fresh idempotency key for one session create (16 URL-safe characters)."""
     return secrets.token_urlsafe(12)
+
+
+def create_timeout_s(transport, n_prompt: int) -> float | None:
+    """Seconds a session create on an ``n_prompt``-token prompt waits for each answer:
+    ``transport``'s per-request timeout plus :data:`CREATE_TIMEOUT_S_PER_TOKEN` a token
+    (the cloud prefills the prompt before answering). None for a transport without a
+    ``timeout_s`` (in-process and emulated links: their own timing) or whose
+    ``request`` takes no ``timeout_s`` (a subclass written before it)."""
+    base = getattr(transport, "timeout_s", None)
+    if base is None or not _takes(transport.request, "timeout_s"):
+        return None
+    return base + n_prompt * CREATE_TIMEOUT_S_PER_TOKEN
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name``."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 @dataclass(frozen=True)
@@ -123,8 +143,11 @@ class RemoteSession:
             return max_block
         return min(max_block, wire.max_full_rows(self.params.draft_vocab))
 
-    async def call(self, method: str, path: str, body: bytes = b"", on_early=None) -> bytes:
+    async def call(self, method: str, path: str, body: bytes = b"", on_early=None,
+                   timeout_s: float | None = None) -> bytes:
         kw = {} if on_early is None else {"on_early": on_early}    # FSD transports only
+        if timeout_s is not None:
+            kw["timeout_s"] = timeout_s
         data, _ = await self.transport.request(method, path, body, MSGPACK, **kw)
         self.m.uplink_bytes += len(body)
         self.m.downlink_bytes += len(data)
@@ -139,12 +162,15 @@ class RemoteSession:
         cloud) passes the same id, so a create whose answer was lost or late gets the
         same session, not a second one and a second prefill of the prompt (a
         server that does not know ``request_id`` or ``prompt_packed`` is asked again
-        without it)."""
+        without it). The create waits :func:`create_timeout_s` for its answer: the
+        cloud prefills the prompt first."""
         packed, rid = True, {"request_id": request_id or new_request_id()}
+        wait = create_timeout_s(self.transport, len(prompt_ids))
         while True:
             body = {**self.params.body(prompt_ids, max_new, packed), **rid}
             try:
-                data = await self.call("POST", "/v1/sessions", wire.pack(body))
+                data = await self.call("POST", "/v1/sessions", wire.pack(body),
+                                       timeout_s=wait)
                 break
             except RemoteError as e:
                 # a server older than the field: ask again in the form it knows

@@ -55,6 +55,7 @@ class Transport:
                  backoff_s: float = 0.05, ssl_context=None):
         self.base_url = base_url.rstrip("/")
         self.signer, self.retries, self.backoff_s = signer, retries, backoff_s
+        self.timeout_s = timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.ssl_context = ssl_context
         self._session: aiohttp.ClientSession | None = None
@@ -75,8 +76,10 @@ class Transport:
         return backoff_delay(headers or {}, attempt, base_s=self.backoff_s)
 
     async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: str = MSGPACK, on_early=None) -> tuple[bytes, str]:
-        """Send one request; returns (body bytes, content type).
+                      content_type: str = MSGPACK, on_early=None,
+                      timeout_s: float | None = None) -> tuple[bytes, str]:
+        """Send one request; returns (body bytes, content type). ``timeout_s`` replaces
+        the transport's per-attempt timeout for this request (a long prompt's create).
 
         With ``on_early`` (FSD; verify requests only) the request asks for a streamed
         answer (``wire.STREAM_SEQ``): ``on_early(EarlyVerdict)`` is called as soon as
@@ -91,11 +94,12 @@ class Transport:
                 attempts (:data:`UNREACHABLE`).
         """
         http = await self._http()
+        kw = {} if timeout_s is None else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
         for attempt in range(self.retries + 1):
             headers = self._headers(method, path, body, content_type, on_early)
             try:
                 async with http.request(method, self.base_url + path, data=body or None,
-                                        headers=headers) as r:
+                                        headers=headers, **kw) as r:
                     self.uplink_bytes += len(body)
                     status, data = r.status, None
                     if r.status < 400 and r.content_type == wire.STREAM_SEQ:
@@ -158,6 +162,30 @@ class Transport:
         except wire.WireError as e:
             raise aiohttp.ClientPayloadError(f"bad streamed answer: {e}") from None
         raise aiohttp.ClientPayloadError("streamed answer ended before its final verdict")
+
+
+async def key_refusal(transport: Transport, timeout_s: float = 5.0) -> RemoteError | None:
+    """Ask the API whether it accepts ``transport``'s key, with a signed ``GET /v1/key``
+    (200 and the key's record for an accepted key). Unsigned (no signer), a server that
+    requires keys answers 401 ``missing_credentials``.
+
+    Returns:
+        None when the key is accepted (a server without ``/v1/key`` answers a signed
+        request 404, after its key check passed), else the refusal (401/403).
+
+    Raises:
+        RemoteError: any other 4xx/5xx answer.
+        asyncio.TimeoutError, and what :meth:`Transport.request` raises when the API
+        cannot be reached.
+    """
+    try:
+        await asyncio.wait_for(transport.request("GET", "/v1/key"), timeout_s)
+    except RemoteError as e:
+        if e.status in (401, 403):
+            return e
+        if e.status != 404:
+            raise
+    return None
 
 
 def _reason(e: BaseException) -> str:

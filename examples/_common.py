@@ -56,7 +56,7 @@ class ExampleError(Exception):
 
 def check_server(url: str, api_key: str | None) -> None:
     """Fail fast, before any model loads: ``url`` answers ``/healthz`` and, with a key,
-    accepts it (a signed ``GET /v1/sessions/0`` is 404 for an accepted key).
+    accepts it (:func:`edge_sdk.transport.key_refusal`, a signed ``GET /v1/key``).
 
     Raises:
         ExampleError: nothing answers, it is not the API, or the key is refused.
@@ -65,7 +65,7 @@ def check_server(url: str, api_key: str | None) -> None:
 
     from edge_sdk.transport import UNREACHABLE
     from edge_sdk.protocol.signing import InvalidApiKey, Signer
-    from edge_sdk.transport import RemoteError, TLSVerifyError, Transport
+    from edge_sdk.transport import RemoteError, TLSVerifyError, Transport, key_refusal
 
     try:
         signer = Signer.from_api_key(api_key) if api_key else None
@@ -78,11 +78,9 @@ def check_server(url: str, api_key: str | None) -> None:
         try:
             await t.request("GET", "/healthz")
             if signer is not None:
-                try:
-                    await t.request("GET", "/v1/sessions/0")
-                except RemoteError as e:
-                    if e.status != 404:
-                        raise ExampleError(f"the API refused the key: {e}") from None
+                refused = await key_refusal(t)
+                if refused is not None:
+                    raise ExampleError(f"the API refused the key: {refused}")
         finally:
             await t.close()
 

@@ -25,7 +25,7 @@ if __package__ in (None, ""):            # run as a script: make the repo import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge_sdk.defaults import DEFAULT_DEPTH  # noqa: E402
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS  # noqa: E402
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_NEW_TOKENS  # noqa: E402
 from examples._common import (  # noqa: E402
     OFFLINE_TIMEOUT_S, backend, check_server, int_range, load_draft, run_main,
 )
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None,
                    help="non-interactive: one turn, print the streamed reply, exit")
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--max-new-tokens", type=int_range(1, 8192), default=256)
+    p.add_argument("--max-new-tokens", type=int_range(1, MAX_NEW_TOKENS), default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

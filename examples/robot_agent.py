@@ -40,7 +40,7 @@ if __package__ in (None, ""):            # run as a script: make the repo import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge_sdk.defaults import DEFAULT_DEPTH  # noqa: E402
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS  # noqa: E402
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_NEW_TOKENS  # noqa: E402
 from examples._common import (  # noqa: E402
     OFFLINE_TIMEOUT_S, backend, check_server, int_range, load_draft, run_main,
 )
@@ -107,7 +107,9 @@ class RoundRecord:
         m = self.metrics
         return {"instruction": self.instruction_index, "round": self.round,
                 "tokens": self.tokens, "acceptance_rate": m.get("acceptance_rate", 0.0),
-                "tpot_ms": 1000 * m.get("tpot_s", 0.0), "ttft_ms": 1000 * m.get("ttft_s", 0.0),
+                # one verified block: every token came at once, TPOT is not defined
+                "tpot_ms": 1000 * m["tpot_s"] if m.get("rounds", 0) > 1 else None,
+                "ttft_ms": 1000 * m.get("ttft_s", 0.0),
                 "actions_ok": len(self.executed()),
                 "actions_failed": sum(not o.ok for _, o in self.actions),
                 "unparseable": len(self.unparseable), "finish_reason": self.finish_reason}
@@ -284,14 +286,15 @@ def print_report(report: AgentReport, console=None) -> None:
 
     con = console or Console()
     t = Table(title="robot agent: per-round metrics (ok/failed actions, skipped = "
-                    "unparseable lines)")
+                    "unparseable lines; TPOT - = all tokens in one verified block)")
     for col in ("instr", "round", "tokens", "accept", "TPOT ms", "TTFT ms", "ok", "failed",
                 "skipped", "finish"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in report.rounds:
         s = r.summary()
+        tpot = "-" if s["tpot_ms"] is None else f"{s['tpot_ms']:.0f}"
         t.add_row(str(s["instruction"]), str(s["round"]), str(s["tokens"]),
-                  f"{s['acceptance_rate']:.2f}", f"{s['tpot_ms']:.0f}", f"{s['ttft_ms']:.0f}",
+                  f"{s['acceptance_rate']:.2f}", tpot, f"{s['ttft_ms']:.0f}",
                   str(s["actions_ok"]), str(s["actions_failed"]), str(s["unparseable"]),
                   s["finish_reason"])
     con.print(t)
@@ -300,7 +303,8 @@ def print_report(report: AgentReport, console=None) -> None:
     unchecked = len(report.completed) - len(checked)
     note = f" ({unchecked} not checkable, not counted)" if unchecked else ""
     con.print(f"instructions completed: {sum(checked)}/{len(checked)}{note} (every command "
-              f"asked for ran)   rounds: {len(report.rounds)}   tokens: {tok}   wall: {report.wall_s:.1f}s")
+              f"asked for ran)   rounds: {len(report.rounds)}   tokens: {tok}   "
+              f"wall: {report.wall_s:.1f}s")
     con.print(f"final state: {report.robot.state()}; objects "
               f"{report.robot.snapshot()['objects']}; said {report.robot.said}")
 
@@ -326,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instructions", default="scripted",
                    help="file with one instruction per line, or 'scripted' (default)")
     p.add_argument("--max-rounds", type=int, default=3, help="rounds per instruction")
-    p.add_argument("--max-new-tokens", type=int_range(1, 8192), default=48,
+    p.add_argument("--max-new-tokens", type=int_range(1, MAX_NEW_TOKENS), default=48,
                    help="tokens per round")
     p.add_argument("--json", dest="as_json", action="store_true",
                    help="print one JSON report instead of the table")

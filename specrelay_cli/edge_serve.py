@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from edge_sdk.defaults import DEFAULT_DEPTH, DEFAULT_PROACTIVE
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS
+from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_NEW_TOKENS
 from specrelay_cli.options import make_drafter
 
 __all__ = ["edge_serve"]
@@ -74,8 +74,9 @@ def _warn_about_cloud(url: str, signer, ca_cert: str | None) -> None:
               help="Draft depth (tokens per block).")
 @click.option("--model-name", default="specrelay", show_default=True,
               help="The model name reported to OpenAI clients.")
-@click.option("--default-max-tokens", type=click.IntRange(1, 8192), default=256,
-              show_default=True, help="Chat max_tokens when a request gives none (1..8192).")
+@click.option("--default-max-tokens", type=click.IntRange(1, MAX_NEW_TOKENS), default=256,
+              show_default=True,
+              help=f"Chat max_tokens when a request gives none (1..{MAX_NEW_TOKENS}).")
 @click.option("--on-cloud-loss", type=click.Choice(["wait", "draft_only"]),
               default="wait", show_default=True,
               help="wait: retry until the cloud is back (never unverified tokens); "

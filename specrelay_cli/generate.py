@@ -161,7 +161,12 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
     sampling_config(kw)                              # refuse bad values before any load
     _check_drafting(kw)
     signer = Signer.from_api_key(api_key) if api_key else None
-    probe_api(url, ca_cert, kw["offline_timeout"])   # fail fast, before loading models
+    health = probe_api(url, ca_cert, kw["offline_timeout"])  # fail fast, before loading
+    ctx_len = health.get("max_context")
+    if isinstance(ctx_len, int) and kw["max_new_tokens"] >= ctx_len:
+        raise click.BadParameter(f"{kw['max_new_tokens']} new tokens do not fit the "
+                                 f"server's context of {ctx_len} tokens (prompt included)",
+                                 param_hint="--max-new-tokens")
     refused = check_key(url, signer, ca_cert)
     if refused:
         raise click.ClickException(f"the API refused the key: {refused} (check --api-key "

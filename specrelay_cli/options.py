@@ -10,7 +10,8 @@ import click
 
 from edge_sdk.defaults import (DEFAULT_DEPTH, DEFAULT_PROACTIVE, DEFAULT_PROACTIVE_MIN_HIT,
                                DEFAULT_SIBLINGS)
-from edge_sdk.protocol.limits import MAX_DRAFT_TOKENS, MAX_PROACTIVE_ROOTS, MAX_SIBLINGS
+from edge_sdk.protocol.limits import (MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_PROACTIVE_ROOTS,
+                                      MAX_SIBLINGS)
 
 #: The default pair (kept in step with ``edge_sdk.models.DEFAULT_TARGET/DEFAULT_DRAFT``,
 #: which this module does not import at start-up to keep ``--help`` fast).
@@ -77,8 +78,8 @@ SAMPLING_OPTIONS = [
     click.option("--seed", type=int, default=0, show_default=True,
                  help="Seed of the edge's and the cloud's draws (same seed, same "
                  "output)."),
-    click.option("--max-new-tokens", type=click.IntRange(1, 8192), default=96,
-                 show_default=True, help="Tokens to generate (1..8192)."),
+    click.option("--max-new-tokens", type=click.IntRange(1, MAX_NEW_TOKENS), default=96,
+                 show_default=True, help=f"Tokens to generate (1..{MAX_NEW_TOKENS})."),
     click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=5.0,
                  show_default=True, help="Seconds to keep retrying an unreachable API "
                  "before giving up."),

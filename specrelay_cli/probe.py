@@ -18,10 +18,12 @@ def check_url(url: str) -> None:
                                  param_hint="--url")
 
 
-def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
+def probe_api(url: str, ca_cert: str | None, wait_s: float) -> dict:
     """``GET /healthz`` through the SDK's :class:`Transport` until it answers or ``wait_s``
-    seconds pass (at least one try). Raises click.ClickException with what to do:
-    nothing listening, an untrusted certificate (never retried), or not the API."""
+    seconds pass (at least one try); returns its JSON (``max_context`` among it; {} if
+    not JSON). Raises click.ClickException with what to do: nothing listening, an
+    untrusted certificate (never retried), or not the API."""
+    import json
     import ssl
     import time
 
@@ -33,9 +35,14 @@ def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
     async def once():
         t = Transport(url, retries=0, timeout_s=5.0, ssl_context=ctx)
         try:
-            await t.request("GET", "/healthz")
+            body, _ = await t.request("GET", "/healthz")
         finally:
             await t.close()
+        try:
+            out = json.loads(body)
+        except ValueError:
+            return {}
+        return out if isinstance(out, dict) else {}
 
     t0 = time.monotonic()
     while True:
@@ -58,28 +65,26 @@ def probe_api(url: str, ca_cert: str | None, wait_s: float) -> None:
 
 
 def check_key(url: str, signer, ca_cert: str | None) -> str | None:
-    """Ask the API whether it accepts ``signer``'s key, before any model loads: a signed
-    ``GET /v1/sessions/0`` is answered 404 (no such session) for an accepted key and
-    401/403 for a refused one. Returns None when accepted, else the refusal as one line
-    (``HTTP 401 unknown_key: ...``). Without a signer the same request goes unsigned: a
-    server that requires keys answers 401 ``missing_credentials`` (no key given), one
-    run with ``--insecure-no-auth`` 404."""
+    """Ask the API whether it accepts ``signer``'s key, before any model loads
+    (:func:`edge_sdk.transport.key_refusal`: a signed ``GET /v1/key``). Returns None
+    when accepted, else the refusal as one line (``HTTP 401 unknown_key: ...``).
+    Without a signer the request goes unsigned: a server that requires keys answers 401
+    ``missing_credentials`` (no key given), one run with ``--insecure-no-auth`` 200."""
     import ssl
 
-    from edge_sdk.transport import RemoteError, Transport
+    from edge_sdk.transport import RemoteError, Transport, key_refusal
 
     ctx = ssl.create_default_context(cafile=ca_cert) if ca_cert else None
 
     async def once():
         t = Transport(url, signer=signer, retries=0, timeout_s=5.0, ssl_context=ctx)
         try:
-            await t.request("GET", "/v1/sessions/0")
+            return await key_refusal(t)
         finally:
             await t.close()
 
     try:
-        asyncio.run(once())
-    except RemoteError as e:
-        if e.status in (401, 403):
-            return str(e)
-    return None
+        refused = asyncio.run(once())
+    except RemoteError:     # not about the key (429, 5xx): the run itself will say
+        return None
+    return None if refused is None else str(refused)

@@ -754,23 +754,23 @@ class Delayed(Transport):
 
     delay_s = 0.0
 
-    async def request(self, method, path, body=b"", content_type=MSGPACK):
+    async def request(self, method, path, body=b"", content_type=MSGPACK, **kw):
         if path.endswith("/verify"):
             await asyncio.sleep(self.delay_s)
-        return await super().request(method, path, body, content_type)
+        return await super().request(method, path, body, content_type, **kw)
 
 
 class DoubleSend(Delayed):
     """Delivers every verify request twice (as a retry after a lost response would)
     and keeps the second answer."""
 
-    async def request(self, method, path, body=b"", content_type=MSGPACK):
+    async def request(self, method, path, body=b"", content_type=MSGPACK, **kw):
         if path.endswith("/verify"):
-            first = await super().request(method, path, body, content_type)
-            second = await super().request(method, path, body, content_type)
+            first = await super().request(method, path, body, content_type, **kw)
+            second = await super().request(method, path, body, content_type, **kw)
             assert first[0] == second[0], "a retried block got a different answer"
             return second
-        return await super().request(method, path, body, content_type)
+        return await super().request(method, path, body, content_type, **kw)
 
 
 @pytest.mark.parametrize("mode,ahead", [("asym", False), ("standard", False),

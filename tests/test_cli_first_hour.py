@@ -392,3 +392,65 @@ def test_examples_fail_fast_on_a_dead_url():
         lines = [x for x in p.stderr.splitlines() if x.strip()]
         assert p.returncode == 1 and time.monotonic() - t0 < 20, p.stderr
         assert lines[-1].startswith(f"Error: cannot reach {url}") and len(lines) == 1
+
+
+def test_a_key_check_is_a_signed_200_not_a_4xx_in_the_metrics(tmp_path, target, tok):
+    """``GET /v1/key`` answers the signing key's record (never its secret); the key
+    checks of ``generate`` and the examples use it, so an accepted key leaves no 4xx in
+    the cloud's request counter. Refused and unsigned checks stay 401."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from cloud_api.keys import SQLiteKeyStore
+    from edge_sdk.protocol import signing as sg
+    from edge_sdk.transport import Transport, key_refusal
+    from examples._common import check_server
+
+    store = SQLiteKeyStore(tmp_path / "k.sqlite3")
+    rec, raw = store.create("robot-7", ["verify"], rpm=90)
+    stranger = sg.format_api_key("Q" * sg.LOOKUP_LEN, "s" * 32)
+
+    async def check(url, key):
+        t = Transport(url, signer=sg.Signer.from_api_key(key) if key else None, retries=0)
+        try:
+            got = await t.request("GET", "/v1/key") if key == raw else None
+            return got, await key_refusal(t)
+        finally:
+            await t.close()
+
+    with BackgroundServer(create_app(target, tok, key_store=store)) as srv:
+        (body, _), refused = asyncio.run(check(srv.url, raw))
+        info = json.loads(body)
+        assert refused is None and info["key_id"] == rec.key_id and info["name"] == "robot-7"
+        assert info["scopes"] == ["verify"] and info["rpm"] == 90 and "secret" not in info
+        check_server(srv.url, raw)                              # the examples' check
+        r, _ = run("generate", "Hi", "--url", srv.url, "--api-key", raw, "--draft",
+                   "nosuch-model")                              # the CLI's check passes
+        assert "unknown model 'nosuch-model'" in one_line_error(r)
+        ctx = json.loads(urllib.request.urlopen(srv.url + "/healthz").read())["max_context"]
+        r, dt = run("generate", "Hi", "--url", srv.url, "--api-key", raw, "--draft",
+                    "nosuch-model", "--max-new-tokens", str(ctx))   # before the draft loads
+        msg = one_line_error(r)
+        assert "--max-new-tokens" in msg and f"context of {ctx} tokens" in msg and dt < 5
+        _, refused = asyncio.run(check(srv.url, stranger))
+        assert refused.status == 401 and refused.code == "unknown_key"
+        _, refused = asyncio.run(check(srv.url, None))
+        assert refused.status == 401 and refused.code == "missing_credentials"
+        metrics = urllib.request.urlopen(srv.url + "/metrics").read().decode()
+    key_lines = [x for x in metrics.splitlines() if 'endpoint="GET /v1/key"' in x
+                 and x.startswith("specrelay_requests_total")]
+    by_status = {x.split('status="')[1].split('"')[0]: float(x.split()[-1])
+                 for x in key_lines}
+    assert by_status == {"200": 4.0, "401": 2.0}, key_lines
+    with BackgroundServer(create_app(target, tok)) as srv:     # run without keys
+        t = Transport(srv.url, retries=0)
+        body, _ = asyncio.run(_get_closing(t, "/v1/key"))
+        assert json.loads(body) == {"auth": "off", "key_id": None}
+
+
+async def _get_closing(t, path):
+    try:
+        return await t.request("GET", path)
+    finally:
+        await t.close()

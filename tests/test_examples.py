@@ -34,7 +34,7 @@ def test_bad_input_is_one_line_before_any_model_loads(script):
     cases = [(["--url", "http://127.0.0.1:9", "--api-key", "bogus"], 1,
               "--api-key / SPECRELAY_API_KEY"),
              (["--depth", "99"], 2, "not in the range 1..16"),
-             (["--max-new-tokens", "0"], 2, "not in the range 1..8192")]
+             (["--max-new-tokens", "0"], 2, "not in the range 1..32768")]
     if script == "chat_app.py":
         cases += [(["--temperature", "-1"], 1, "temperature"),
                   (["--top-p", "3"], 1, "top_p")]
@@ -285,3 +285,26 @@ def test_chat_session_keeps_history(real):
     assert s.history[2]["content"] == r1.text
     assert r2.prompt_ids == chat_prompt_ids(tok, s.history[:4])
     assert s.stats()["completion_tokens"] == len(r2.token_ids)
+
+
+def test_a_round_of_one_verified_block_has_no_tpot():
+    """TPOT is the time between tokens after the first; a round whose tokens all came in
+    one verified block has none, and the table says ``-`` rather than 0 ms."""
+    import io
+
+    from rich.console import Console
+
+    def record(rounds, tpot_s):
+        return robot_agent.RoundRecord(0, "go", 0, "", "", [1, 2, 3], "stop", [], [], [],
+                                       True, {"rounds": rounds, "tpot_s": tpot_s,
+                                              "ttft_s": 0.4})
+
+    assert record(1, 0.0).summary()["tpot_ms"] is None
+    assert record(3, 0.05).summary()["tpot_ms"] == pytest.approx(50.0)
+    from examples.robot_world import Robot
+
+    report = robot_agent.AgentReport([record(1, 0.0), record(3, 0.05)], Robot(), 1.0, [True])
+    out = io.StringIO()
+    robot_agent.print_report(report, Console(file=out, width=200))
+    rows = [x.split("│") for x in out.getvalue().splitlines() if "stop" in x]
+    assert [r[5].strip() for r in rows] == ["-", "50"]       # the TPOT ms column

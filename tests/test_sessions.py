@@ -87,3 +87,36 @@ def test_unknown_route_and_wrong_content_type_over_http(target, tok):
         r = requests.post(f"{srv.url}/v1/sessions/{sid}/verify", data=b"\x90",
                           headers={"content-type": "text/plain"}, timeout=10)
         assert r.status_code == 415 and r.json()["error"]["field"] == "content-type"
+
+
+def test_a_long_prompts_create_waits_for_its_prefill_instead_of_retrying(tok, target):
+    """The cloud answers a create only after prefilling the prompt, so the create waits
+    the transport's timeout plus CREATE_TIMEOUT_S_PER_TOKEN a prompt token. A create
+    that takes 1.2 s against a 0.5 s transport timeout is answered on its first try
+    (100 tokens: 0.5 + 2.0 s), where a fixed timeout sent it three times."""
+    from aiohttp import web
+
+    from edge_sdk.protocol.limits import CREATE_TIMEOUT_S_PER_TOKEN
+    from edge_sdk.session import create_timeout_s
+    from edge_sdk.transport import Transport
+
+    creates = []
+
+    @web.middleware
+    async def slow_prefill(request, handler):          # the real create, 1.2 s late
+        if request.method == "POST" and request.path == "/v1/sessions":
+            creates.append(1)
+            await asyncio.sleep(1.2)
+        return await handler(request)
+
+    prompt = [4 + i % 50 for i in range(100)]
+    app = create_app(target, tok, middlewares=[slow_prefill])
+    with BackgroundServer(app) as srv:
+        async def main():
+            t = Transport(srv.url, retries=2, timeout_s=0.5)
+            assert create_timeout_s(t, 100) == 0.5 + 100 * CREATE_TIMEOUT_S_PER_TOKEN
+            async with EdgeClient(srv.url, None, tok, chat=False, transport=t) as c:
+                return await c.generate(prompt_ids=prompt, max_new_tokens=4)
+
+        out = asyncio.run(main())
+    assert len(out.token_ids) == 4 and creates == [1]

@@ -48,9 +48,9 @@ class RecordingTransport(Transport):
         self.calls: list[HttpCall] = []
 
     async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: str = MSGPACK, on_early=None) -> tuple[bytes, str]:
+                      content_type: str = MSGPACK, **kw) -> tuple[bytes, str]:
         t0 = time.perf_counter()
-        data, ct = await super().request(method, path, body, content_type, on_early)
+        data, ct = await super().request(method, path, body, content_type, **kw)
         self.calls.append(HttpCall(method, path, len(body), len(data), t0,
                                    time.perf_counter()))
         return data, ct
@@ -68,9 +68,9 @@ class TaggingTransport(Transport):
     are told apart."""
 
     async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: str = MSGPACK, on_early=None) -> tuple[bytes, str]:
+                      content_type: str = MSGPACK, **kw) -> tuple[bytes, str]:
         t0 = time.perf_counter()
-        data, ct = await super().request(method, path, body, content_type, on_early)
+        data, ct = await super().request(method, path, body, content_type, **kw)
         calls = REQUEST_CALLS.get()
         if calls is not None:
             calls.append(HttpCall(method, path, len(body), len(data), t0, time.perf_counter()))

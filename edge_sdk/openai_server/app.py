@@ -107,18 +107,19 @@ async def health(request: web.Request) -> web.Response:
 
     import aiohttp
 
-    from edge_sdk.transport import TLSVerifyError
+    from edge_sdk.transport import TLSVerifyError, key_refusal
 
     t = request.app[CLIENT].transport
     cloud = {"url": t.base_url, "reachable": False, "key": "unknown"}
     try:
         await asyncio.wait_for(t.request("GET", "/healthz"), 5.0)
         cloud["reachable"] = True
-        try:         # a signed no-op: an unknown session is 404 once the key is accepted
-            await asyncio.wait_for(t.request("GET", "/v1/sessions/0"), 5.0)
+        try:
+            refused = await key_refusal(t)
+            cloud["key"] = ("accepted" if refused is None else
+                            f"refused ({refused.status} {refused.code})")
         except RemoteError as e:
-            cloud["key"] = ("accepted" if e.status == 404 else
-                            f"refused ({e.status} {e.code})")
+            cloud["key"] = f"unchecked ({e.status} {e.code})"
     except RemoteError as e:
         cloud["error"] = f"/healthz answered {e.status}"
     except (TLSVerifyError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
