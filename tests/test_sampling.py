@@ -69,3 +69,65 @@ def test_seen_may_be_a_tensor_of_ids():
     a = S.process_next(lg, cfg, [4, 9])
     assert torch.equal(a, S.process_next(lg, cfg, torch.tensor([4, 9])))
     assert not torch.equal(a, S.process_next(lg, cfg, None))
+
+
+def _reference_pick(logits):
+    from edge_sdk.drafters.base import candidates
+
+    d, _ = S.sample_next(logits, S.SamplingConfig(), None, None)
+    return (d, *candidates(logits, d))
+
+
+@pytest.mark.parametrize("vocab", [151936, 49152, 448])
+def test_greedy_pick_is_the_argmax_and_candidates_of_the_general_path(vocab):
+    """The draft's one-pass greedy pick (slice maxima) gives the general path's token
+    (argmax, ties to the lowest id), the same probability of it, bit for bit, and the
+    same candidates (as a set where values tie): on random logits, on a subset head
+    (most ids -inf), with the best value tied across slices and inside one, with fewer
+    finite values than candidates, and in bfloat16."""
+    from edge_sdk.drafters.base import greedy_pick
+
+    g = torch.Generator().manual_seed(vocab)
+    cases = []
+    for _ in range(20):
+        cases.append(torch.randn(vocab, generator=g) * 4)
+    sub = torch.full((vocab,), float("-inf"))
+    keep = torch.randperm(vocab, generator=g)[: vocab // 5]
+    sub[keep] = torch.randn(len(keep), generator=g)
+    cases.append(sub)
+    tied = torch.randn(vocab, generator=g)
+    tied[[vocab - 1, 70, 3, vocab // 2]] = 9.0          # the max in four slices
+    cases.append(tied)
+    inside = torch.randn(vocab, generator=g)
+    inside[[130, 129, 140]] = 7.5                        # three in one slice
+    cases.append(inside)
+    few = torch.full((vocab,), float("-inf"))
+    few[[5, vocab - 3]] = torch.tensor([1.0, 2.0])       # two finite ids
+    cases.append(few)
+    cases.append((torch.randn(vocab, generator=g) * 3).to(torch.bfloat16).float())
+    for x in cases:
+        got, want = greedy_pick(x), _reference_pick(x)
+        assert got[0] == want[0] and got[2] == want[2]
+        vals = lambda ids: sorted(float(x[i]) for i in ids)      # noqa: E731
+        assert vals(got[1]) == vals(want[1]) and len(got[1]) == len(want[1])
+        if len(set(vals(want[1]))) == len(want[1]):
+            assert got[1] == want[1]
+    assert _reference_pick(tied)[0] == 3 and greedy_pick(inside)[0] == 129
+
+
+def test_greedy_pick_leaves_odd_vocabularies_and_nans_to_the_general_path():
+    from edge_sdk.drafters.base import Proposal, greedy_pick
+
+    assert greedy_pick(torch.randn(1000)) is None                # not a multiple of 64
+    assert greedy_pick(torch.randn(128)) is None                 # fewer slices than 5
+    nan = torch.randn(640)
+    nan[17] = float("nan")
+    assert greedy_pick(nan) is None
+    assert greedy_pick(torch.full((640,), float("-inf"))) is None
+    assert greedy_pick(torch.randn(2, 640)) is None
+    x = torch.randn(640)
+    for cfg in (S.SamplingConfig(), S.SamplingConfig(repetition_penalty=1.3)):
+        p = Proposal([1, 2, 3], 1, cfg)
+        p.take(x)                       # the penalised config takes the general path
+        want = S.sample_next(x, cfg, [1, 2, 3], None)[0]
+        assert p.tokens == [want] and len(p.block().cands[0]) == 4

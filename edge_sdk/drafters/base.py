@@ -7,6 +7,7 @@ the target (CASES.md 3-4) and reports the exact q it sampled from.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -29,6 +30,47 @@ def candidates(logits: torch.Tensor, chosen: int) -> tuple[list[int], float]:
            if int(t) != chosen and bool(torch.isfinite(v))][:CANDIDATES]
     conf = float(torch.exp(logits[chosen].float() - torch.logsumexp(logits.float(), -1)))
     return ids, conf
+
+
+_BLOCK = 64
+"""Width of the vocabulary slices whose maxima :func:`greedy_pick` ranks."""
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[int, list[int], float] | None:
+    """The greedy draft token of ``logits`` (float [V], contiguous) with its candidates,
+    from one pass over the vocabulary: ``(argmax with ties to the lowest id,
+    candidates(logits, argmax))``, the same answer as :func:`sample_next` (greedy, no
+    repetition penalty) followed by :func:`candidates`.
+
+    The pass takes the maxima of ``V / 64`` slices; the ``CANDIDATES + 1`` best values
+    lie in the ``CANDIDATES + 1`` slices with the largest maxima (a slice holding one of
+    them has a maximum at least that value), so a top-k over those 384 values replaces
+    an argmax and a top-k over all V (on the 151,936-id Qwen vocabulary, in situ: a
+    1.38 ms pick against 2.91 ms, medians, one thread; ``bench.probes.draft_step``).
+    Candidates of equal value may come in another order than :func:`torch.topk`'s
+    (which leaves that order unspecified).
+
+    Returns None (use the general path) when V is not a multiple of 64, holds fewer
+    than ``CANDIDATES + 1`` slices, or the best value is NaN or -inf.
+    """
+    v = logits.shape[-1]
+    if logits.dim() != 1 or v % _BLOCK or v < _BLOCK * (CANDIDATES + 1) \
+            or not logits.is_contiguous():
+        return None
+    x = logits.view(-1, _BLOCK)
+    m = x.amax(dim=1)                                   # [V / 64] slice maxima
+    top_m, top_b = torch.topk(m, CANDIDATES + 1)
+    best = float(top_m[0])
+    if math.isnan(best) or best == -math.inf:
+        return None
+    blk = int(torch.nonzero(m == top_m[0])[0])          # ties: the lowest id
+    d = blk * _BLOCK + int(torch.nonzero(x[blk] == top_m[0])[0])
+    vals, i = torch.topk(x[top_b].reshape(-1), CANDIDATES + 1)
+    ids = (top_b[i // _BLOCK] * _BLOCK + i % _BLOCK).tolist()
+    cands = [t for t, val in zip(ids, vals.tolist())
+             if t != d and math.isfinite(val)][:CANDIDATES]
+    conf = float(torch.exp(logits[d].float() - torch.logsumexp(logits.float(), -1)))
+    return d, cands, conf
 
 
 @dataclass
@@ -97,13 +139,18 @@ class Proposal:
     def take(self, logits: torch.Tensor) -> int:
         """Sample the next draft token from ``logits`` (float32 [V], after
         ``self.seen``) and record it; returns its id."""
-        d, q = sample_next(logits, self.cfg, self.seen, self.generator)
+        picked = (greedy_pick(logits) if self.cfg.greedy
+                  and self.cfg.repetition_penalty == 1.0 else None)
+        if picked is not None:                  # one pass: the same token and candidates
+            d, q = picked[0], None
+        else:
+            d, q = sample_next(logits, self.cfg, self.seen, self.generator)
         self.tokens.append(d)
         self._q_tok.append(1.0 if q is None else float(q[d]))
         if q is not None:
             self._q_rows.append(q)
         elif self.cfg.greedy:
-            ids, c = candidates(logits, d)
+            ids, c = picked[1:] if picked is not None else candidates(logits, d)
             self._cands.append(ids)
             self._conf.append(c)
         self.seen.append(d)
