@@ -22,14 +22,22 @@ UNREACHABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
 
 
 class RemoteError(Exception):
-    """A 4xx/5xx answer. ``status``, ``code``, ``field`` and ``body`` (parsed JSON)."""
+    """A 4xx/5xx answer. ``status``, ``code``, ``message``, ``field`` and ``body``
+    (parsed JSON); ``str()`` is :meth:`describe` with the wire's field name."""
 
     def __init__(self, status: int, body: dict | None, text: str = ""):
         err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
         self.status, self.body = status, body or {}
         self.code, self.field = err.get("code"), err.get("field")
-        super().__init__(f"HTTP {status} {self.code or ''}: {err.get('message', text)}"
-                         + (f" (field {self.field})" if self.field else ""))
+        self.message = err.get("message", text)
+        super().__init__(self.describe())
+
+    def describe(self, field: str | None = None) -> str:
+        """``HTTP 400 code: message (field F)``, the field named ``field`` when given
+        (a front end naming it as its own request does), else as the wire names it."""
+        name = field or self.field
+        return (f"HTTP {self.status} {self.code or ''}: {self.message}"
+                + (f" (field {name})" if name else ""))
 
 
 class TLSVerifyError(Exception):

@@ -37,8 +37,8 @@ def upstream_error(e: Exception, kind: str = "chat") -> BadRequest:
         if 400 <= e.status < 500:
             param = (prompt_param(kind) if e.field in _PROMPT_FIELDS
                      else _OPENAI_PARAM.get(e.field, e.field))
-            msg = msg.replace(f"(field {e.field})", f"(field {param})") if param else msg
-            return BadRequest(msg, param, 400, "invalid_request_error", e.code)
+            return BadRequest(f"cloud verification API: {e.describe(param)}", param, 400,
+                              "invalid_request_error", e.code)
         return BadRequest(msg, None, 502, "server_error", e.code)
     if isinstance(e, ValueError):
         return BadRequest(str(e), None, 400)
