@@ -1,8 +1,9 @@
 """specrelay edge SDK: draft locally, verify in the cloud, get the target's exact output.
 
 Public API: :class:`EdgeClient`, :class:`GenerationResult`, :class:`TokenEvent`,
-:class:`CloudUnreachable`, :class:`SamplingConfig`, :func:`generate` (synchronous
-convenience wrapper). Names load on first use, so ``import edge_sdk.protocol`` (what the
+:class:`CloudUnreachable`, :class:`RemoteError` (the API refused a request),
+:class:`SamplingConfig`, :func:`check_api` (is the API up, is the key accepted: before
+loading a model), :func:`generate` (synchronous convenience wrapper). Names load on first use, so ``import edge_sdk.protocol`` (what the
 cloud shares with the edge) does not load the client.
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["EdgeClient", "GenerationResult", "TokenEvent", "SamplingConfig", "generate",
-           "CloudUnreachable"]
+           "CloudUnreachable", "RemoteError", "check_api"]
 
 _LAZY = {"EdgeClient": "edge_sdk.client", "GenerationResult": "edge_sdk.client",
          "TokenEvent": "edge_sdk.client", "CloudUnreachable": "edge_sdk.client",
-         "SamplingConfig": "edge_sdk.protocol.sampling"}
+         "SamplingConfig": "edge_sdk.protocol.sampling",
+         "RemoteError": "edge_sdk.transport", "check_api": "edge_sdk.preflight"}
 
 
 def __getattr__(name: str):

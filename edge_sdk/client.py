@@ -24,6 +24,7 @@ from edge_sdk.defaults import (DEFAULT_CONTROLLER, DEFAULT_DEPTH, DEFAULT_PROACT
 from edge_sdk.drafters.base import Drafter
 from edge_sdk.generation import PREFILL_STEPS, Generation
 from edge_sdk.offline import POLICIES as CLOUD_LOSS_POLICIES
+from edge_sdk.preflight import check_url
 from edge_sdk.proactive import MODES as PROACTIVE_MODES
 from edge_sdk.proactive import SKIPPING_MODES
 from edge_sdk.protocol.limits import MAX_PROACTIVE_ROOTS
@@ -220,8 +221,11 @@ class EdgeClient:
         self.drafter, self.tokenizer = drafter, tokenizer
         self.depth, self.mode, self.eps_req, self.correction = depth, mode, eps_req, correction
         self.support_k, self.n_proposals, self.chat = support_k, n_proposals, chat
+        if transport is None:
+            check_url(base_url)
         self.transport = transport or Transport(base_url, signer=signer,
                                                 ssl_context=ssl_context)
+        self.closed = False
         self.scheduler = scheduler or DraftScheduler()
         self._own_scheduler = scheduler is None
         self._drafter_in_use = False
@@ -239,6 +243,7 @@ class EdgeClient:
             self._drafter_in_use = False
 
     async def close(self) -> None:
+        self.closed = True
         await self.transport.close()
         if self._own_scheduler:
             self.scheduler.shutdown()

@@ -53,20 +53,25 @@ class Generation:
     Made by ``EdgeClient.stream``, which documents the arguments."""
 
     def __init__(self, client, prompt: str | None = None, *,
-                 prompt_ids: Sequence[int] | None = None, sampling: SamplingConfig | None = None,
-                 max_new_tokens: int = 128, stop: Sequence[str] = (), seed: int = 0,
-                 target_only: bool = False, depth: int | None = None,
-                 eps_req: float | None = None, controller=None, on_round=None,
-                 acceptance: str | None = None):
-        if (prompt is None) == (prompt_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_ids")
+                 prompt_ids: Sequence[int] | None = None,
+                 sampling: SamplingConfig | dict | None = None,
+                 max_new_tokens: int = 128, stop: str | Sequence[str] = (),
+                 seed: int | None = None, target_only: bool = False,
+                 depth: int | None = None, eps_req: float | None = None, controller=None,
+                 on_round=None, acceptance: str | None = None):
+        if client.closed:
+            raise RuntimeError("this EdgeClient is closed (its `async with` block ended or "
+                               "close() was called): make a new one")
         self.c = client
-        self.cfg = sampling or SamplingConfig()
+        self.cfg = request_sampling(sampling)
         self.acceptance = client.acceptance if acceptance is None else acceptance
         check_acceptance(self.acceptance, self.cfg)
+        self.stop = request_stop(stop)
+        self.max_new_tokens = request_max_new_tokens(max_new_tokens)
+        self.seed = request_seed(seed)
+        check_prompt(prompt, prompt_ids)
         self.prompt_ids = (list(prompt_ids) if prompt_ids is not None
                            else encode_prompt(client.tokenizer, prompt, client.chat))
-        self.max_new_tokens, self.stop, self.seed = max_new_tokens, list(stop), seed
         self.target_only = target_only or client.drafter is None
         self.budget = client.eps_req if eps_req is None else eps_req   # TV budget left
         self.m = RequestMetrics()
@@ -104,10 +109,16 @@ class Generation:
                              self.acceptance)
 
     def result(self) -> GenerationResult:
+        """The request's result once the stream has been iterated (to its end, or to
+        where the caller stopped: then ``finish_reason`` is None and the text is what
+        was streamed). Raises RuntimeError before the first iteration."""
         cm = self.committer
+        if cm is None:
+            raise RuntimeError("result() comes after the stream has been iterated "
+                               "(`async for ev in gen: ...`, then gen.result())")
         return GenerationResult(cm.text, list(cm.token_ids), cm.finish_reason,
                                 self.prompt_ids, self.m.to_dict(), list(self.verified),
-                                self.acceptance, list(self.semantic))
+                                self.acceptance, list(self.semantic), self.seed)
 
     # ------------------------------------------------------------------ the loop
 
@@ -505,3 +516,62 @@ def check_acceptance(acceptance: str, cfg: SamplingConfig) -> None:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE}, not {acceptance!r}")
     if acceptance == "semantic" and not cfg.greedy:
         raise ValueError("acceptance='semantic' needs greedy sampling (temperature 0)")
+
+
+def request_sampling(sampling) -> SamplingConfig:
+    """A request's :class:`SamplingConfig` from ``sampling``: a config, a dict of its
+    fields (``{"temperature": 0.7, "top_p": 0.9}``) or None (greedy).
+    Raises ValueError naming the field (an unknown one, a bad value)."""
+    if sampling is None:
+        return SamplingConfig()
+    if isinstance(sampling, SamplingConfig):
+        return sampling
+    if isinstance(sampling, dict):
+        return SamplingConfig.from_dict(sampling)
+    raise ValueError(f"sampling must be a SamplingConfig or a dict of its fields, not "
+                     f"{type(sampling).__name__}")
+
+
+def request_stop(stop) -> list[str]:
+    """Stop strings: one string or a sequence of them (empty ones dropped).
+    Raises ValueError for anything else."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, (bytes, dict)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError("stop must be a string or a list of strings")
+    return [s for s in stop if s]
+
+
+def request_max_new_tokens(n) -> int:
+    """Raises ValueError unless ``n`` is an int in ``1..MAX_NEW_TOKENS`` (a server caps
+    prompt + new tokens further at its context)."""
+    from edge_sdk.protocol.limits import MAX_NEW_TOKENS
+
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS}, "
+                         f"not {n!r}")
+    return n
+
+
+def request_seed(seed) -> int:
+    """The request's seed: ``seed`` (an int in ``0..2**63-1``), or a fresh random one
+    when None, so sampled requests differ from call to call (as OpenAI's API and
+    llama.cpp do); the result reports it (``GenerationResult.seed``) for a replay.
+    Raises ValueError for anything else."""
+    if seed is None:
+        return rng.fresh_seed()
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an integer in 0..2**63-1, not {seed!r}")
+    return seed
+
+
+def check_prompt(prompt, prompt_ids) -> None:
+    """Raises ValueError unless exactly one of ``prompt`` (a non-blank string) and
+    ``prompt_ids`` (a non-empty sequence of token ids) is given."""
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of prompt or prompt_ids")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+        raise ValueError("prompt must be a non-empty string" if isinstance(prompt, str)
+                         else f"prompt must be a string, not {type(prompt).__name__}")
+    if prompt_ids is not None and len(prompt_ids) == 0:
+        raise ValueError("prompt_ids must hold at least one token id")

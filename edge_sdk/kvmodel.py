@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
 
 from edge_sdk.invariant import invariant_rows
 from edge_sdk.row_attention import RowBatch, row_attention_pass
@@ -25,6 +24,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _new_cache(config):
+    """An empty transformers ``DynamicCache`` (transformers loads here, on first use:
+    an app that only drafts with ONNX does not import it)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
 class KVModel:
     """Runs a HF causal LM incrementally over one sequence (batch 1).
 
@@ -35,7 +42,7 @@ class KVModel:
     def __init__(self, model):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
-        self.cache = DynamicCache(config=model.config)
+        self.cache = _new_cache(model.config)
         self.ids: list[int] = []
 
     def cache_len(self) -> int:
@@ -143,7 +150,7 @@ class KVModel:
 
     def rebuild(self) -> None:
         """Drop the cache entirely (it will be refilled by ``align``/``sync``)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = _new_cache(self.model.config)
         self.ids = []
 
     def reset(self) -> None:

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from typing import Awaitable, Callable, TypeVar
 
 from edge_sdk.results import CloudUnreachable
 from edge_sdk.retry import backoff_delay
 from edge_sdk.transport import UNREACHABLE
+
+log = logging.getLogger("edge_sdk")
 
 POLICIES = ("wait", "draft_only", "local")
 T = TypeVar("T")
@@ -71,11 +74,17 @@ class CloudLoss:
         for attempt in itertools.count():
             try:
                 return await fn()
-            except UNREACHABLE:
+            except UNREACHABLE as e:
                 on_fail()
                 delay = reconnect_delay(attempt)
                 if time.monotonic() + delay > deadline:
                     raise self.lost() from None
+                if attempt == 0:        # say so at once: a long wait looks like a hang
+                    log.warning("cannot reach the verification API at %s (%s): retrying "
+                                "for up to %.0f s (offline_timeout_s)",
+                                getattr(self.transport, "base_url", "?"),
+                                str(e).splitlines()[0] if str(e) else type(e).__name__,
+                                self.timeout_s)
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 

@@ -44,6 +44,7 @@ class GenerationResult:
     verified: list[bool] = field(default_factory=list)
     acceptance: str = "exact"
     semantic: list[bool] = field(default_factory=list)
+    seed: int | None = None     # the request's seed (a fresh one when none was given)
 
     @property
     def all_verified(self) -> bool:
@@ -62,5 +63,5 @@ class GenerationResult:
                 "finish_reason": self.finish_reason, "verified": self.verified,
                 "acceptance": self.acceptance,
                 "semantic_accepted_tokens": self.semantic_accepted_tokens,
-                "exact_target_output": self.exact_target_output,
+                "exact_target_output": self.exact_target_output, "seed": self.seed,
                 "metrics": self.metrics}

@@ -56,41 +56,31 @@ class ExampleError(Exception):
 
 def check_server(url: str, api_key: str | None) -> None:
     """Fail fast, before any model loads: ``url`` answers ``/healthz`` and, with a key,
-    accepts it (:func:`edge_sdk.transport.key_refusal`, a signed ``GET /v1/key``).
+    accepts it (:func:`edge_sdk.check_api`).
 
     Raises:
         ExampleError: nothing answers, it is not the API, or the key is refused.
     """
     import asyncio
 
-    from edge_sdk.transport import UNREACHABLE
-    from edge_sdk.protocol.signing import InvalidApiKey, Signer
-    from edge_sdk.transport import RemoteError, TLSVerifyError, Transport, key_refusal
+    from edge_sdk.preflight import check_api
+    from edge_sdk.protocol.signing import InvalidApiKey
+    from edge_sdk.results import CloudUnreachable
+    from edge_sdk.transport import RemoteError, TLSVerifyError
 
     try:
-        signer = Signer.from_api_key(api_key) if api_key else None
+        asyncio.run(check_api(url, api_key))
     except InvalidApiKey as e:
         raise ExampleError(f"{e}: check --api-key / SPECRELAY_API_KEY (a key looks like "
                            "sr_live_..., as `specrelay keys create` prints it)") from None
-
-    async def probe():
-        t = Transport(url, signer=signer, retries=0, timeout_s=5.0)
-        try:
-            await t.request("GET", "/healthz")
-            if signer is not None:
-                refused = await key_refusal(t)
-                if refused is not None:
-                    raise ExampleError(f"the API refused the key: {refused}")
-        finally:
-            await t.close()
-
-    try:
-        asyncio.run(probe())
-    except (*UNREACHABLE, OSError, TLSVerifyError) as e:
-        raise ExampleError(f"cannot reach {url}: is `specrelay serve` running there? "
-                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    except (CloudUnreachable, ValueError) as e:
+        raise ExampleError(str(e)) from None
+    except (TLSVerifyError, OSError) as e:
+        raise ExampleError(f"cannot reach {url}: {str(e).splitlines()[0] if str(e) else e!r}"
                            ) from None
     except RemoteError as e:
+        if e.status in (401, 403):
+            raise ExampleError(f"the API refused the key: {e}") from None
         raise ExampleError(f"{url} is not a specrelay API ({e})") from None
 
 

@@ -147,11 +147,13 @@ def generate(prompt, url, api_key, draft, tokenizer, ca_cert, **kw):
       specrelay generate "Hi" --temperature 0.7 --top-p 0.9 --seed 3 --json
       specrelay generate "def fib(n):" --local --memory-budget 1.5GB --storage emmc
     """
+    from edge_sdk.generation import request_seed
     from edge_sdk.models import load_tokenizer
     from edge_sdk.protocol.signing import Signer
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
+    kw["seed"] = request_seed(kw["seed"])            # a fresh one unless --seed
     if kw["local"]:
         if kw["acceptance"] != "exact":
             raise click.BadParameter("--local runs the target itself: exact only",
@@ -243,10 +245,12 @@ def _compare(srv, tok, prompt, kw, res) -> dict:
 def demo(prompt, target, draft, compare, dtype, wisv_head, **kw):
     """Start a local signed server with the default models, generate, print metrics."""
     from cloud_api.local import local_server
+    from edge_sdk.generation import request_seed
     from edge_sdk.models import load_model
     from specrelay_cli.serve import check_wisv_options, semantic_setting
 
     sampling_config(kw)                              # refuse bad values before any load
+    kw["seed"] = request_seed(kw["seed"])            # one seed for both runs of --compare
     semantic = kw["acceptance"] == "semantic"
     if semantic:
         check_wisv_options(wisv_head, None, None)

@@ -67,7 +67,8 @@ def run_local(prompt: str, kw: dict) -> None:
     text = tok.decode(out, skip_special_tokens=True)
     for s in kw.get("stop") or ():
         text = text.split(s, 1)[0]
-    res = {"text": text, "token_ids": out, "verified": True, "local": sess.describe(),
+    res = {"text": text, "token_ids": out, "verified": True, "seed": kw["seed"],
+           "local": sess.describe(),
            "metrics": st.to_dict() | {"wall_s": time.perf_counter() - t0}}
     if kw["as_json"]:
         click.echo(json.dumps(res))

@@ -75,9 +75,9 @@ SAMPLING_OPTIONS = [
                  help="Nucleus sampling: the smallest set with this probability mass."),
     click.option("--repetition-penalty", type=click.FloatRange(min=0.0, min_open=True),
                  default=1.0, show_default=True, help="1 = off."),
-    click.option("--seed", type=int, default=0, show_default=True,
+    click.option("--seed", type=click.IntRange(0, 2 ** 63 - 1), default=None,
                  help="Seed of the edge's and the cloud's draws (same seed, same "
-                 "output)."),
+                 "output; default: a fresh one each run, which --json prints)."),
     click.option("--max-new-tokens", type=click.IntRange(1, MAX_NEW_TOKENS), default=96,
                  show_default=True, help=f"Tokens to generate (1..{MAX_NEW_TOKENS})."),
     click.option("--offline-timeout", type=click.FloatRange(min=0.0), default=5.0,

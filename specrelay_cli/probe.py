@@ -9,13 +9,15 @@ import click
 
 
 def check_url(url: str) -> None:
-    """Raises click.BadParameter unless ``url`` is an http(s) URL with a host."""
-    from urllib.parse import urlsplit
+    """Raises click.BadParameter unless ``url`` is an http(s) URL with a host
+    (:func:`edge_sdk.preflight.check_url`)."""
+    from edge_sdk.preflight import check_url as sdk_check
 
-    u = urlsplit(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
+    try:
+        sdk_check(url)
+    except ValueError:
         raise click.BadParameter(f"{url!r} is not an http:// or https:// URL",
-                                 param_hint="--url")
+                                 param_hint="--url") from None
 
 
 def probe_api(url: str, ca_cert: str | None, wait_s: float) -> dict:

@@ -171,11 +171,11 @@ def _under(mods: set[str], prefixes) -> list[str]:
 
 def test_importing_the_sdk_loads_no_server_bench_or_training_code():
     mods, env = _loaded_after("import edge_sdk\nfrom edge_sdk import EdgeClient, "
-                              "SamplingConfig, generate")
+                              "SamplingConfig, generate, check_api, RemoteError")
     assert "edge_sdk.client" in mods
     assert _under(mods, ("aiohttp.web", "cloud_api", "exporters", "bench",
                          "matplotlib", "specrelay_cli", "onnx", "prometheus_client",
-                         "limits")) == []
+                         "limits", "transformers")) == []    # transformers: on first use
     assert env["HF_HUB_OFFLINE"] is None, "importing the SDK changed the host's environment"
 
 

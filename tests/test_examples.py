@@ -308,3 +308,22 @@ def test_a_round_of_one_verified_block_has_no_tpot():
     robot_agent.print_report(report, Console(file=out, width=200))
     rows = [x.split("│") for x in out.getvalue().splitlines() if "stop" in x]
     assert [r[5].strip() for r in rows] == ["-", "50"]       # the TPOT ms column
+
+
+def test_the_readme_sdk_example_runs(real, capsys):
+    """README's SDK snippet, verbatim but for its URL, key and draft (the small pair's,
+    which the fixture's server serves): check the API, generate with a stop string and
+    sampling, stream."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("## The SDK", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    b, _, _ = real
+    code, n = re.subn(r'URL, KEY = .*', f'URL, KEY = "{b.url}", "{b.api_key}"', code)
+    code, m = re.subn(r'load_model\("qwen2.5-coder-0.5b", dtype="auto"\)',
+                      'load_model("smollm2-135m-draft")', code)
+    assert n == 1 and m == 1, "the README's SDK snippet changed shape"
+    exec(compile(code, "README.md (The SDK)", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.strip() and "Traceback" not in out

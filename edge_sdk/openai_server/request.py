@@ -6,11 +6,12 @@ in OpenAI's error shape)."""
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from edge_sdk.openai_server.prompts import chat_prompt_ids
+from edge_sdk.protocol import rng
+from edge_sdk.protocol.limits import MAX_NEW_TOKENS
 from edge_sdk.protocol.sampling import SamplingConfig
 
 __all__ = ["BadRequest", "OpenAIRequest", "parse_chat_request", "parse_completion_request",
@@ -108,14 +109,15 @@ def _temperature_top_p(body: dict) -> tuple[float, float]:
 
 
 def _max_tokens(body: dict, default_max: int, names: tuple[str, ...]) -> int:
-    """The last of ``names`` the body sets (an integer >= 1), else ``default_max``."""
+    """The last of ``names`` the body sets (an integer in ``1..MAX_NEW_TOKENS``), else
+    ``default_max``."""
     max_tokens = default_max
     for name in names:
         v = body.get(name)
         if v is None:
             continue
-        if not _is_int(v) or v < 1:
-            raise BadRequest(f"{name} must be an integer >= 1", name)
+        if not _is_int(v) or not 1 <= v <= MAX_NEW_TOKENS:
+            raise BadRequest(f"{name} must be an integer in 1..{MAX_NEW_TOKENS}", name)
         max_tokens = v
     return max_tokens
 
@@ -138,7 +140,7 @@ def _seed(body: dict) -> int:
     """``seed`` in ``0 .. 2**63 - 1``; random (below 2**31) when omitted."""
     seed = body.get("seed")
     if seed is None:
-        return secrets.randbelow(2 ** 31)
+        return rng.fresh_seed()
     if not _is_int(seed) or not 0 <= seed < 2 ** 63:
         raise BadRequest("seed must be a non-negative integer", "seed")
     return int(seed)

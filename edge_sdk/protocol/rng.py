@@ -56,6 +56,13 @@ _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+def fresh_seed() -> int:
+    """A random seed (below 2**31) for a request that names none."""
+    import secrets
+
+    return secrets.randbelow(2 ** 31)
+
+
 def _splitmix(z: int) -> int:
     """One SplitMix64 step on a 64-bit state: returns the mixed 64-bit output."""
     z = (z + _GOLDEN) & _MASK

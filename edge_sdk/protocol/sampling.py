@@ -41,15 +41,24 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
+        """Raises ValueError naming the field and its allowed range."""
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"sampling.{name}: {v!r} is not a number")
         checks = {
-            "temperature": 0.0 <= self.temperature <= 100.0 and math.isfinite(self.temperature),
-            "top_k": isinstance(self.top_k, int) and self.top_k >= 0,
-            "top_p": 0.0 < self.top_p <= 1.0,
-            "repetition_penalty": 0.0 < self.repetition_penalty <= 100.0,
+            "temperature": (0.0 <= self.temperature <= 100.0
+                            and math.isfinite(self.temperature), "0 (greedy) to 100"),
+            "top_k": (isinstance(self.top_k, int) and self.top_k >= 0,
+                      "an integer >= 0 (0 = off)"),
+            "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1] (1 = off)"),
+            "repetition_penalty": (0.0 < self.repetition_penalty <= 100.0,
+                                   "in (0, 100] (1 = off)"),
         }
-        for name, ok in checks.items():
+        for name, (ok, allowed) in checks.items():
             if not ok:
-                raise ValueError(f"sampling.{name}: invalid value {getattr(self, name)!r}")
+                raise ValueError(f"sampling.{name}: invalid value {getattr(self, name)!r} "
+                                 f"(allowed: {allowed})")
 
     @property
     def greedy(self) -> bool:
