@@ -14,6 +14,7 @@ Output equals the target's: greedy token-for-token, sampling in distribution
 from __future__ import annotations
 
 import copy
+import numbers
 
 from edge_sdk import correction as C
 from edge_sdk.channel import ChannelEstimator
@@ -170,6 +171,8 @@ class EdgeClient:
                  ssl_context=None, local_target=None, acceptance: str = "exact",
                  link=None, siblings=DEFAULT_SIBLINGS, carry_controller: bool = True,
                  prefill_steps: str = "greedy"):
+        if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1:
+            raise ValueError(f"depth must be an integer >= 1, not {depth!r}")
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE}")
         ChannelEstimator(link)                      # validate early

@@ -71,8 +71,7 @@ def check_server(url: str, api_key: str | None) -> None:
     try:
         asyncio.run(check_api(url, api_key))
     except InvalidApiKey as e:
-        raise ExampleError(f"{e}: check --api-key / SPECRELAY_API_KEY (a key looks like "
-                           "sr_live_..., as `specrelay keys create` prints it)") from None
+        raise ExampleError(f"{e}: check --api-key / SPECRELAY_API_KEY") from None
     except (CloudUnreachable, ValueError) as e:
         raise ExampleError(str(e)) from None
     except (TLSVerifyError, OSError) as e:

@@ -46,8 +46,7 @@ def _one_line(e: BaseException) -> str | None:
     from edge_sdk.protocol.signing import InvalidApiKey
 
     if isinstance(e, InvalidApiKey):
-        return (f"{e}: check --api-key / SPECRELAY_API_KEY (a key looks like "
-                "sr_live_..., as `specrelay keys create` prints it)")
+        return f"{e}: check --api-key / SPECRELAY_API_KEY"
     if isinstance(e, RemoteError):
         hint = {401: " (check --api-key / SPECRELAY_API_KEY)",
                 403: " (the key lacks a scope or its quota is spent)",

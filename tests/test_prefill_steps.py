@@ -37,7 +37,7 @@ class SlowPrefill(TorchDrafter):
 
 async def _refs(c, n, cfg, prompts):
     return [await c.generate(prompt_ids=p, target_only=True, max_new_tokens=n,
-                             sampling=cfg) for p in prompts]
+                             sampling=cfg, seed=0) for p in prompts]
 
 
 async def _gated(url, model, tok, n=32, cfg=None, release_after=3, steps="greedy"):
@@ -47,14 +47,15 @@ async def _gated(url, model, tok, n=32, cfg=None, release_after=3, steps="greedy
     d = SlowPrefill(model, gate=gate)
     async with EdgeClient(url, d, tok, depth=4, chat=False, prefill_steps=steps) as c:
         ref, ref2 = await _refs(c, n, cfg, [PROMPT, PROMPT[:-1]])
-        gen = c.stream(prompt_ids=PROMPT, max_new_tokens=n, sampling=cfg)
+        gen = c.stream(prompt_ids=PROMPT, max_new_tokens=n, sampling=cfg, seed=0)
         seen = 0
         async for _ in gen:
             seen += 1
             if seen == release_after:
                 gate.set()
         out = gen.result()
-        again = await c.generate(prompt_ids=PROMPT[:-1], max_new_tokens=n, sampling=cfg)
+        again = await c.generate(prompt_ids=PROMPT[:-1], max_new_tokens=n, sampling=cfg,
+                                 seed=0)
     return ref, out, again, ref2, d
 
 

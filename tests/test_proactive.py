@@ -147,9 +147,9 @@ def test_shared_controller_object_and_factory(svc, tok, close_draft, reference):
     out = generate(svc, TorchDrafter(close_draft), tok, controller=lambda: FixedDepth(2))
     assert out.token_ids == reference and set(out.metrics["depth_hist"]) <= {1, 2}
     with pytest.raises(ValueError):
-        EdgeClient("inproc://", None, tok, controller="nope")
+        EdgeClient("http://127.0.0.1:9", None, tok, controller="nope")
     with pytest.raises(ValueError):
-        EdgeClient("inproc://", None, tok, proactive="maybe")
+        EdgeClient("http://127.0.0.1:9", None, tok, proactive="maybe")
 
 
 @pytest.mark.parametrize("carry", [True, False])
@@ -243,13 +243,13 @@ def test_ipdg_skips_branches_of_blocks_predicted_to_miss(svc, tok, close_draft, 
 def test_min_hit_out_of_range_or_without_ipdg(tok):
     for bad in (-0.1, 1.0, 2):
         with pytest.raises(ValueError, match="proactive_min_hit"):
-            EdgeClient("inproc://", None, tok, proactive_min_hit=bad)
+            EdgeClient("http://127.0.0.1:9", None, tok, proactive_min_hit=bad)
     # NPDG (the baseline) never skips; FSD drafts from the early verdict; off drafts
     # nothing ahead: a threshold there would be silently ignored, so it is refused
     for mode in ("npdg", "fsd", "fsd+ipdg", "off"):
         with pytest.raises(ValueError, match="proactive_min_hit needs"):
-            EdgeClient("inproc://", None, tok, proactive=mode, proactive_min_hit=0.3)
-    EdgeClient("inproc://", None, tok, proactive="npdg", proactive_min_hit=0.0)
+            EdgeClient("http://127.0.0.1:9", None, tok, proactive=mode, proactive_min_hit=0.3)
+    EdgeClient("http://127.0.0.1:9", None, tok, proactive="npdg", proactive_min_hit=0.0)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -426,14 +426,14 @@ def test_sdk_defaults_are_the_benchmarked_policy(svc, tok, close_draft, referenc
     from edge_sdk.control import PacedDepth
     from edge_sdk.defaults import DEFAULT_CONTROLLER, DEFAULT_DEPTH, DEFAULT_PROACTIVE
 
-    c = EdgeClient("inproc://", None, tok)
+    c = EdgeClient("http://127.0.0.1:9", None, tok)
     assert (c.depth, c.proactive, c.send_ahead) == (DEFAULT_DEPTH, DEFAULT_PROACTIVE, True)
     assert (DEFAULT_DEPTH, DEFAULT_PROACTIVE, DEFAULT_CONTROLLER) == (8, "ipdg", "paced")
     greedy, key = c._request_controller(None, None, greedy=True)
     assert isinstance(greedy, PacedDepth) and greedy.depth == 8 and key == "paced"
     sampled, key = c._request_controller(None, None, greedy=False)
     assert isinstance(sampled, FixedDepth) and sampled.depth == 8 and key is None
-    assert EdgeClient("inproc://", None, tok, proactive="off").send_ahead is False
+    assert EdgeClient("http://127.0.0.1:9", None, tok, proactive="off").send_ahead is False
 
     async def main():
         async with EdgeClient("inproc://", TorchDrafter(close_draft), tok, chat=False,
@@ -448,7 +448,7 @@ def test_sdk_defaults_are_the_benchmarked_policy(svc, tok, close_draft, referenc
 
 def test_send_ahead_needs_proactive(tok):
     with pytest.raises(ValueError, match="send_ahead"):
-        EdgeClient("inproc://", None, tok, proactive="off", send_ahead=True)
+        EdgeClient("http://127.0.0.1:9", None, tok, proactive="off", send_ahead=True)
 
 
 def test_on_round_hook_gets_one_record_per_round(svc, tok, close_draft):

@@ -126,10 +126,11 @@ def test_a_stop_string_is_one_stop_string():
         request_stop(b"10")
 
 
-def test_waiting_for_a_lost_cloud_says_so_at_once(tok, draft, caplog):
+def test_waiting_for_a_lost_cloud_says_so_at_once(tok, draft):
     """``on_cloud_loss="wait"`` rides a lost cloud out for ``offline_timeout_s``; the
     first failed try logs one warning naming the URL and the wait, so the wait does
-    not look like a hang."""
+    not look like a hang. (A handler on the ``edge_sdk`` logger itself: the CLI stops
+    that logger's propagation when it runs in the same process.)"""
     url = _dead_url()
 
     async def main():
@@ -137,9 +138,28 @@ def test_waiting_for_a_lost_cloud_says_so_at_once(tok, draft, caplog):
                               offline_timeout_s=1.0) as c:
             await c.generate(prompt_ids=[4, 5], max_new_tokens=4)
 
-    with caplog.at_level(logging.WARNING, logger="edge_sdk"):
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    lg, keep = logging.getLogger("edge_sdk"), Keep()
+    lg.addHandler(keep)
+    try:
         with pytest.raises(CloudUnreachable, match="gave up after 1 s"):
             asyncio.run(main())
-    warned = [r.getMessage() for r in caplog.records if r.name == "edge_sdk"]
+    finally:
+        lg.removeHandler(keep)
+    warned = keep.messages
     assert len(warned) == 1 and url in warned[0] and "up to 1 s (offline_timeout_s)" \
         in warned[0], warned
+
+
+def test_a_bad_depth_or_key_is_named_when_the_client_is_made(tok):
+    with pytest.raises(ValueError, match="depth must be an integer >= 1, not 0"):
+        EdgeClient("http://127.0.0.1:9", None, tok, depth=0)
+    with pytest.raises(sg.InvalidApiKey, match="a key looks like sr_live_"):
+        sg.Signer.from_api_key("sr_live_nope")

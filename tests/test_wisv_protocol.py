@@ -447,7 +447,7 @@ def test_bad_requests_in_process(target, tok):
     assert (e.value.status, e.value.code, e.value.field) == (422, "semantic_unavailable",
                                                              "acceptance")
     with pytest.raises(ValueError):
-        EdgeClient("inproc://", None, tok, acceptance="lossy")
+        EdgeClient("http://127.0.0.1:9", None, tok, acceptance="lossy")
     with pytest.raises(ValueError, match="greedy"):
         generate(InProcessTransport(CloudService(target, tok, semantic=semantic(bias=0.0))),
                  target, tok, acceptance="semantic",

@@ -129,7 +129,8 @@ def parse_api_key(raw: str) -> ParsedApiKey:
     """
     m = _KEY_RE.match(raw.strip()) if isinstance(raw, str) else None
     if not m:
-        raise InvalidApiKey("malformed API key")
+        raise InvalidApiKey("malformed API key (a key looks like sr_live_..., as "
+                            "`specrelay keys create` prints it)")
     lookup, secret, check = m.groups()
     if not hmac.compare_digest(check, _checksum(f"{KEY_PREFIX}{lookup}_{secret}")):
         raise InvalidApiKey("API key checksum mismatch (typo?)")
