@@ -299,10 +299,14 @@ class EdgeClient:
         """Generate a completion.
 
         Args:
-            prompt: text (chat-templated when ``chat``), or pass ``prompt_ids=[...]``.
-            sampling: :class:`SamplingConfig` (default greedy); max_new_tokens (tokens);
-            stop: stop strings; seed: RNG seed of every edge and cloud draw
-                (``edge_sdk.protocol.rng``);
+            prompt: text (chat-templated when ``chat``; not blank), or pass
+                ``prompt_ids=[...]`` (at least one id).
+            sampling: :class:`SamplingConfig` or a dict of its fields (default greedy);
+            max_new_tokens: tokens to generate, 1..32,768 (the server caps prompt + new
+                tokens at its context);
+            stop: a stop string or a list of them;
+            seed: RNG seed of every edge and cloud draw (``edge_sdk.protocol.rng``);
+                None (default): a fresh one, reported as ``GenerationResult.seed``;
             target_only: generate with the target alone (blocks of depth 0);
             depth: fixed draft depth for this request (overrides the controller);
             controller: depth controller for this request (as in :class:`EdgeClient`).
@@ -313,8 +317,12 @@ class EdgeClient:
                 t_send / t_response / t_ready in seconds since the request started,
                 proactive_steps, proactive_plan, hit); for tracing and benchmarks.
         Raises:
+            ValueError: a bad request option, named with its range, before anything is
+                sent (``acceptance="semantic"`` with sampling included).
             RemoteError: the API refused a request (4xx) after retries.
-            ValueError: bad request options (``acceptance="semantic"`` with sampling).
+            CloudUnreachable: the cloud stayed unreachable for ``offline_timeout_s``
+                (``on_cloud_loss="wait"``).
+            RuntimeError: the client is closed.
         """
         gen = self.stream(prompt, **kw)
         async for _ in gen:

@@ -75,4 +75,3 @@ def _json(body: bytes) -> dict:
     except ValueError:
         return {}
     return out if isinstance(out, dict) else {}
-
