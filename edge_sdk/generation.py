@@ -533,11 +533,13 @@ def request_sampling(sampling) -> SamplingConfig:
 
 
 def request_stop(stop) -> list[str]:
-    """Stop strings: one string or a sequence of them (empty ones dropped).
-    Raises ValueError for anything else."""
+    """Stop strings: one string, a list or tuple of them (empty ones dropped), or None
+    (none). Raises ValueError for anything else."""
+    if stop is None:
+        return []
     if isinstance(stop, str):
         stop = [stop]
-    if isinstance(stop, (bytes, dict)) or not all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise ValueError("stop must be a string or a list of strings")
     return [s for s in stop if s]
 

@@ -45,7 +45,7 @@ async def check_api(base_url: str, api_key: str | None = None, *, signer=None,
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CloudUnreachable(f"cannot reach {base_url}: is `specrelay serve` running "
                                    f"there? ({why})") from None
-        health = _json(body)
+        health = json_object(body)
         if signer is None:
             return {"health": health, "key": None}
         try:
@@ -54,7 +54,7 @@ async def check_api(base_url: str, api_key: str | None = None, *, signer=None,
             if e.status != 404:
                 raise
             return {"health": health, "key": {}}   # a server before /v1/key: accepted
-        return {"health": health, "key": _json(body)}
+        return {"health": health, "key": json_object(body)}
     finally:
         await t.close()
 
@@ -69,7 +69,8 @@ def check_url(base_url: str) -> None:
                          "(e.g. http://127.0.0.1:8000)")
 
 
-def _json(body: bytes) -> dict:
+def json_object(body: bytes) -> dict:
+    """``body`` parsed as a JSON object; {} when it is not one."""
     try:
         out = json.loads(body)
     except ValueError:

@@ -25,7 +25,7 @@ def probe_api(url: str, ca_cert: str | None, wait_s: float) -> dict:
     seconds pass (at least one try); returns its JSON (``max_context`` among it; {} if
     not JSON). Raises click.ClickException with what to do: nothing listening, an
     untrusted certificate (never retried), or not the API."""
-    import json
+    from edge_sdk.preflight import json_object
     import ssl
     import time
 
@@ -40,11 +40,7 @@ def probe_api(url: str, ca_cert: str | None, wait_s: float) -> dict:
             body, _ = await t.request("GET", "/healthz")
         finally:
             await t.close()
-        try:
-            out = json.loads(body)
-        except ValueError:
-            return {}
-        return out if isinstance(out, dict) else {}
+        return json_object(body)
 
     t0 = time.monotonic()
     while True:

@@ -122,8 +122,10 @@ def test_a_stop_string_is_one_stop_string():
 
     assert request_stop("10") == ["10"]
     assert request_stop(("a", "", "b")) == ["a", "b"]
-    with pytest.raises(ValueError):
-        request_stop(b"10")
+    assert request_stop(None) == []
+    for bad in (b"10", 0, {"a": "b"}, ["a", 1]):
+        with pytest.raises(ValueError, match="stop must be a string or a list"):
+            request_stop(bad)
 
 
 def test_waiting_for_a_lost_cloud_says_so_at_once(tok, draft):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge_sdk.generation import request_seed, request_stop
 from edge_sdk.openai_server.prompts import chat_prompt_ids
-from edge_sdk.protocol import rng
 from edge_sdk.protocol.limits import MAX_NEW_TOKENS
 from edge_sdk.protocol.sampling import SamplingConfig
 
@@ -123,27 +123,24 @@ def _max_tokens(body: dict, default_max: int, names: tuple[str, ...]) -> int:
 
 
 def _stop(body: dict) -> list[str]:
-    """``stop``: a string or up to :data:`MAX_STOP` strings; empty ones are dropped."""
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
+    """``stop``: a string or up to :data:`MAX_STOP` strings; empty ones are dropped
+    (:func:`edge_sdk.generation.request_stop`)."""
+    try:
+        stop = request_stop(body.get("stop"))
+    except ValueError as e:
+        raise BadRequest(str(e), "stop") from None
     if len(stop) > MAX_STOP:
         raise BadRequest(f"stop takes at most {MAX_STOP} sequences", "stop")
-    return [s for s in stop if s]
+    return stop
 
 
 def _seed(body: dict) -> int:
-    """``seed`` in ``0 .. 2**63 - 1``; random (below 2**31) when omitted."""
-    seed = body.get("seed")
-    if seed is None:
-        return rng.fresh_seed()
-    if not _is_int(seed) or not 0 <= seed < 2 ** 63:
-        raise BadRequest("seed must be a non-negative integer", "seed")
-    return int(seed)
+    """``seed`` in ``0 .. 2**63 - 1``; a fresh one when omitted
+    (:func:`edge_sdk.generation.request_seed`)."""
+    try:
+        return request_seed(body.get("seed"))
+    except ValueError as e:
+        raise BadRequest(str(e), "seed") from None
 
 
 def _streaming(body: dict) -> tuple[bool, bool]:
