@@ -118,9 +118,13 @@ def _summary(man: dict, out: Path) -> dict:
               show_default=True, help="how the attention is traced: gqa = each KV head "
               "read once by its query group (no repeated KV cache); model = the model's "
               "own attention (K and V repeated per query head, slower on long contexts)")
+@click.option("--fuse/--no-fuse", "fuse", default=True, show_default=True,
+              help="fuse the int4 / int8 graphs' RMSNorms and rotary embeddings into "
+              "onnxruntime's (Skip)SimplifiedLayerNormalization and RotaryEmbedding, as "
+              "the first-use export does")
 @click.option("--verbose", is_flag=True, help="show the torch.onnx exporter's output")
 def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int4_block_size,
-             int4_head_block_size, int4_head_vocab, dtype, attention, verbose):
+             int4_head_block_size, int4_head_vocab, dtype, attention, fuse, verbose):
     """Export MODEL to ONNX with KV-cache inputs/outputs (optimum naming).
 
     MODEL is a model spec (qwen2.5-coder-0.5b, smollm2-135m, smollm2-135m@4 = first 4
@@ -156,7 +160,8 @@ def onnx_cmd(model, out, fp16, int4, int8, no_parity, opset, steps, threads, int
         man = export_onnx(m, out, opset=opset, fp16=fp16, int4=int4, int8=int8,
                           parity=not no_parity,
                           parity_steps=steps, prompts=prompts, source=model, tokenizer=tok,
-                          threads=threads, verbose=verbose, attention=attention, **blocks)
+                          threads=threads, verbose=verbose, attention=attention,
+                          fuse_norms=fuse, fuse_rotary=fuse, **blocks)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(_summary(man, out), indent=2))

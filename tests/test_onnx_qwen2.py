@@ -132,6 +132,58 @@ def test_qwen2_untied_head_int4_with_8bit_head(tmp_path):
     assert info4["quantized_matmuls"] == 7 * LAYERS and info4["lm_head_bits"] is None
 
 
+def test_int4_norms_and_rotary_are_fused_and_draft_as_the_unfused_graph(exported,
+                                                                       tmp_path):
+    """The int4 graph (the first-use export's settings) has its RMSNorms fused into
+    onnxruntime's SimplifiedLayerNormalization (the first norm) and
+    SkipSimplifiedLayerNormalization (every other: residual add + norm), and its rotary
+    embeddings (query and key of each layer) into RotaryEmbedding; no traced norm or
+    rotate-half node is left. Its logits match the same quantisation left unfused up to
+    float rounding, with the same greedy tokens, also past a rollback and at positions
+    a batch left-pads (draft_batched's position ids)."""
+    import onnx
+
+    for v in ("int4", "int8"):
+        assert ONNX_VARIANTS[v]["fuse_norms"] and ONNX_VARIANTS[v]["fuse_rotary"]
+    fused = exported / "int4"
+    assert _manifest(fused)["quantization"]["fused"] == {
+        "rms_norms": 1, "skip_rms_norms": 2 * LAYERS, "rotary": 2 * LAYERS,
+        "rotary_positions": 512}
+    ops = [n.op_type for n in onnx.load(str(fused / "model.onnx")).graph.node]
+    assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Neg", "Cos", "Sin"} & set(ops)
+    plain = tmp_path / "plain"
+    info = quantize_int4(exported / "model.onnx", plain / "model.onnx",
+                         lm_head_block_size=ONNX_VARIANTS["int4"]["lm_head_block_size"])
+    assert "fused" not in info
+    (plain / "specrelay_onnx.json").write_text(json.dumps(
+        dict(_manifest(fused), quantization=info)))
+    plain_ops = [n.op_type for n in onnx.load(str(plain / "model.onnx")).graph.node]
+    assert {"ReduceMean", "Neg", "Cos"} <= set(plain_ops)
+    rf, rp = OnnxRunner(fused, threads=1), OnnxRunner(plain, threads=1)
+    prompt = [1, 17, 230, 5, 480, 2, 9, 77]
+    lf, lp = rf.forward(prompt), rp.forward(prompt)
+    assert torch.allclose(lf, lp, atol=1e-2 * float(lp.abs().max()), rtol=0)
+    assert torch.equal(lf.argmax(-1), lp.argmax(-1))
+    cfg = SamplingConfig()
+    df, dp = OnnxDrafter(fused, threads=1), OnnxDrafter(plain, threads=1)
+    ctx = list(prompt)
+    for rnd in range(4):
+        bf, bp = df.propose(ctx, 6, cfg), dp.propose(ctx, 6, cfg)
+        assert bf.tokens == bp.tokens, f"round {rnd}"
+        ctx = ctx + bf.tokens[:rnd] + [(7 * rnd + 3) % VOCAB]
+    # the rotary caches cover the config's 512 positions; past them, a clear refusal
+    assert (rf.max_positions, rp.max_positions) == (512, None)
+    with pytest.raises(ValueError, match="covers 512 positions.*needs 513"):
+        OnnxRunner(fused, threads=1).forward([5] * 513)
+    with pytest.raises(ValueError, match="covers 512 positions"):
+        OnnxDrafter.propose_many([df.fork(), df.fork()], [Proposal([5] * 8, 4, cfg),
+                                                          Proposal([5] * 510, 4, cfg)])
+    forks = [df.fork() for _ in range(2)]
+    props = [Proposal(ctx[:n], 3, cfg) for n in (5, len(ctx))]
+    got = OnnxDrafter.propose_many(forks, props)
+    assert [b.tokens for b in got] == [dp.propose(p.context, 3, cfg).tokens for p in props]
+
+
 def test_draft_quant_agreement_is_the_chains_accepted_length(exported):
     """bench.probes.draft_quant: teacher-forced on a continuation that is the graph's own
     greedy output, every position agrees and acc@D is the accepted length of a depth-D

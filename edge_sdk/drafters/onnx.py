@@ -256,6 +256,11 @@ class OnnxRunner:
         self.num_kv_heads = int(self.manifest.get("num_kv_heads") or k0.shape[1])
         self.head_dim = int(self.manifest.get("head_dim") or k0.shape[3])
         self.keeps_logits = KEEP_INPUT in self.input_names
+        fused = (self.manifest.get("quantization") or {}).get("fused") or {}
+        #: positions a graph with fused rotary embeddings has cos / sin rows for
+        #: (``exporters.onnx.fuse.fuse_rotary``; the model's ``max_position_embeddings``),
+        #: else None (the traced rope computes any position)
+        self.max_positions = int(fused["rotary_positions"]) if fused.get("rotary") else None
         self.output_names = ["logits"] + [present_name(i, k) for i in range(self.num_layers)
                                           for k in ("key", "value")]
         self.ids: list[int] = []
@@ -289,10 +294,20 @@ class OnnxRunner:
             del self.ids[n:]
         self.check()
 
+    def check_positions(self, end: int) -> None:
+        """Raises ValueError when positions up to ``end`` (exclusive) lie beyond
+        :attr:`max_positions`: onnxruntime's RotaryEmbedding has no row for them."""
+        if self.max_positions is not None and end > self.max_positions:
+            raise ValueError(f"the draft graph covers {self.max_positions} positions "
+                             f"(its model's max_position_embeddings); this context needs "
+                             f"{end}")
+
     def feeds(self, new_ids: Sequence[int], last: int | None = None) -> dict[str, np.ndarray]:
         """Graph inputs appending ``new_ids`` [k] to the cached sequence; with a
-        ``logits_to_keep`` input, logits for the last ``last`` of them (None: all k)."""
+        ``logits_to_keep`` input, logits for the last ``last`` of them (None: all k).
+        Raises ValueError: positions beyond :attr:`max_positions`."""
         p, k = self.cache_len(), len(new_ids)
+        self.check_positions(p + k)
         feeds = {"input_ids": np.asarray([list(new_ids)], dtype=np.int64)}
         if "attention_mask" in self.input_names:
             feeds["attention_mask"] = np.ones((1, p + k), dtype=np.int64)
@@ -491,7 +506,8 @@ def draft_batched(runners: Sequence[OnnxRunner], proposals: Sequence[Proposal]
     its block is complete. Afterwards each runner holds exactly its context plus its
     block minus the last token (what a lone ``propose`` leaves), compacted out of the
     padded batch. Returns the blocks in order. Raises ValueError for runners of
-    different sessions or a runner given twice."""
+    different sessions or a runner given twice, or a block reaching past
+    :attr:`OnnxRunner.max_positions`."""
     if len({id(r.session) for r in runners}) != 1 or len(set(map(id, runners))) != len(runners):
         raise ValueError("batched drafting needs distinct runners of one session")
     r0 = runners[0]
@@ -507,6 +523,8 @@ def draft_batched(runners: Sequence[OnnxRunner], proposals: Sequence[Proposal]
     B, H, D = len(runners), r0.num_kv_heads, r0.head_dim
     P = [r.cache_len() for r in runners]
     Pm, Km = max(P), max(len(n) for n in news)
+    for p, n, prop in zip(P, news, proposals):
+        r0.check_positions(p + len(n) + prop.depth - 1)   # every token the block feeds
     L = Pm + Km
     mask = np.zeros((B, L), dtype=np.int64)
     ids = np.zeros((B, Km), dtype=np.int64)

@@ -61,12 +61,16 @@ RUNTIMES = ("torch", "torch-int8", "onnx-fp32", "onnx-int8", "onnx-int4")
 SUFFIX = "+"
 #: Export settings per ONNX variant; part of the cache key (a change rebuilds), and the
 #: defaults of ``specrelay export onnx``. The int4 LM head has its own block size
-#: (:func:`exporters.onnx.quantize.quantize_weights`, ``lm_head_block_size``).
+#: (:func:`exporters.onnx.quantize.quantize_weights`, ``lm_head_block_size``); the
+#: quantised graphs have their RMSNorms and rotary embeddings fused into onnxruntime's
+#: ops (``fuse_norms`` / ``fuse_rotary``, :mod:`exporters.onnx.fuse`).
 ONNX_VARIANTS = {
     "fp32": {},
-    "int8": {"bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4},
+    "int8": {"bits": 8, "block_size": 32, "symmetric": True, "accuracy_level": 4,
+             "fuse_norms": True, "fuse_rotary": True},
     "int4": {"bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4,
-             "lm_head_bits": 4, "lm_head_block_size": 128},
+             "lm_head_bits": 4, "lm_head_block_size": 128, "fuse_norms": True,
+             "fuse_rotary": True},
 }
 #: 2: graphs take ``logits_to_keep`` (a prefill runs the LM head on its last row only).
 #: 3: grouped-query attention traced without repeating K and V per query head.

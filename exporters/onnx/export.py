@@ -24,7 +24,7 @@ from edge_sdk.drafters.runtime import ONNX_VARIANTS
 from exporters.onnx import head_vocab
 from exporters.onnx.attention import DEFAULT_ATTENTION, check_attention
 from exporters.onnx.graph import DEFAULT_OPSET, export_graph
-from exporters.onnx.manifest import manifest_for, write_manifest
+from exporters.onnx.manifest import manifest_for, max_positions, write_manifest
 from exporters.onnx.parity import check_parity, compare_exports, default_prompt
 from exporters.onnx.quantize import quantize_int4, quantize_int8
 
@@ -73,7 +73,8 @@ def _quantized_variant(model, path: Path, out: Path, name: str, opset: int, sour
     t1 = time.perf_counter()
     vdir = out / name
     ids = qopts[name].get("head_ids")
-    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, **qopts[name])
+    qinfo = _QUANTIZERS[name](path, vdir / MODEL_NAME, **qopts[name],
+                              max_positions=max_positions(model.config))
     vm = manifest_for(model, dtype=name, kv_dtype="float32", opset=opset, source=source,
                       external=_has_data(vdir), attention=attention)
     vm["quantization"] = qinfo
@@ -125,6 +126,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 int4_block_size: int = _INT4["block_size"],
                 int4_head_block_size: int | None = _INT4["lm_head_block_size"],
                 int4_head_vocab: int | None = None,
+                fuse_norms: bool = _INT4["fuse_norms"],
+                fuse_rotary: bool = _INT4["fuse_rotary"],
                 tokenizer=None, threads: int | None = None,
                 verbose: bool = False, attention: str = DEFAULT_ATTENTION) -> dict:
     """Export ``model`` (HF causal LM, float32, eval) to ``out_dir`` with optional
@@ -145,6 +148,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
             :mod:`exporters.onnx.head_vocab`: the first ones of ``tokenizer``'s shipped
             frequency ranking, plus the added tokens); None (the default, as the
             first-use export), no ``tokenizer`` or no ranking for it: the whole head.
+        fuse_norms: fuse the int4 / int8 graphs' RMSNorms
+            (:func:`exporters.onnx.fuse.fuse_norms`; default: as the first-use export).
+        fuse_rotary: fuse their rotary embeddings (:func:`exporters.onnx.fuse.fuse_rotary`,
+            caches of the config's ``max_position_embeddings``; default: as the
+            first-use export).
         tokenizer: the model's tokenizer (for ``int4_head_vocab``).
         parity: run :func:`check_parity` on the float32 export (steps=``parity_steps``)
             and :func:`compare_exports` on each variant; results go in the manifests.
@@ -179,8 +187,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                          opset, source, verbose,
                          {"int4": {"block_size": int4_block_size,
                                    "lm_head_block_size": int4_head_block_size,
+                                   "fuse_norms": fuse_norms, "fuse_rotary": fuse_rotary,
                                    **_head(tokenizer, int4_head_vocab, model)},
-                          "int8": {"block_size": int4_block_size}}, attention)
+                          "int8": {"block_size": int4_block_size,
+                                   "fuse_norms": fuse_norms, "fuse_rotary": fuse_rotary}},
+                         attention)
     _write_variants(out, variants, parity, prompts, parity_steps, threads)
     if variants:
         man["variants"] = {k: {"path": k, "agreement_vs_fp32": v.get("agreement_vs_fp32")}

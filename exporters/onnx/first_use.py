@@ -81,7 +81,7 @@ def _quantized(out: Path, fp32_dir: Path, man: dict, variant: str, prompts,
     its greedy agreement with the float32 graph, then delete the float32 graph.
     Returns the variant's manifest."""
     qinfo = quantize_weights(fp32_dir / MODEL_NAME, out / MODEL_NAME,
-                             **ONNX_VARIANTS[variant])
+                             **ONNX_VARIANTS[variant], max_positions=man.get("max_positions"))
     vm = dict(man, dtype=variant, external_data=(
         MODEL_NAME + ".data") if (out / (MODEL_NAME + ".data")).exists() else None)
     vm["fp32_parity"] = vm.pop("parity")

@@ -22,6 +22,13 @@ def _versions() -> dict:
             "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
 
 
+def max_positions(config) -> int | None:
+    """The positions a model's rotary embedding covers (``max_position_embeddings``),
+    or None when its config does not say."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 def manifest_for(model, *, dtype: str, kv_dtype: str, opset: int, source: str | None,
                  external: bool, attention: str) -> dict:
     """The manifest of ``model`` exported with weights in ``dtype`` (``float32``,
@@ -35,7 +42,8 @@ def manifest_for(model, *, dtype: str, kv_dtype: str, opset: int, source: str | 
         "external_data": (MODEL_NAME + ".data") if external else None,
         "source": source, "architecture": (model.config.architectures or [None])[0]
         or type(model).__name__, "model_type": model.config.model_type,
-        **kv_geometry(model.config), "dtype": dtype, "kv_dtype": kv_dtype, "opset": opset,
+        **kv_geometry(model.config), "max_positions": max_positions(model.config),
+        "dtype": dtype, "kv_dtype": kv_dtype, "opset": opset,
         "attention": attention,
         "inputs": ins, "outputs": outs,
         "dynamic_axes": {"batch_size": "dim 0 of every input/output",

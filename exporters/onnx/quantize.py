@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from exporters.onnx import fuse
 from exporters.onnx.graph import EXTERNAL_DATA_BYTES, quiet
 
 
@@ -107,7 +108,9 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
                      block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4,
                      lm_head: bool = True, lm_head_bits: int | None = None,
                      lm_head_block_size: int | None = None,
-                     head_ids: Sequence[int] | None = None) -> dict:
+                     head_ids: Sequence[int] | None = None,
+                     fuse_norms: bool = False, fuse_rotary: bool = False,
+                     max_positions: int | None = None) -> dict:
     """Weight-only quantisation of every constant-weight MatMul to ``bits`` (4 or 8;
     onnxruntime ``MatMulNBits``, round-to-nearest per block). Activations, KV cache and
     logits stay float32; the embedding Gather keeps float32.
@@ -135,10 +138,18 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
             ``len(head_ids)`` columns, logit column j being token ``head_ids[j]``; the
             caller records the ids beside the graph (``OnnxRunner.head_ids``). None:
             the whole head.
+        fuse_norms: also fuse the RMSNorms (:func:`exporters.onnx.fuse.fuse_norms`).
+        fuse_rotary: also fuse the rotary embeddings
+            (:func:`exporters.onnx.fuse.fuse_rotary`, caches of ``max_positions``
+            positions); skipped when ``max_positions`` is None. Both together: on
+            Qwen2.5-Coder-0.5B int4, one core, a decode step 1.05-1.11x as fast with the
+            same agreement with the target (``python -m bench.probes.draft_quant``).
+        max_positions: the model's ``max_position_embeddings``.
     Returns:
         the quantisation settings and how many MatMuls were converted
         (``quantized_matmuls``; ``int8_matmuls`` of them at 8 bits); ``head_rows``
-        with ``head_ids``.
+        with ``head_ids``; ``fused`` (the fused norms and rotary embeddings) with
+        ``fuse_norms`` / ``fuse_rotary``.
     Raises:
         ValueError: bad bits or block sizes; ``head_ids`` for a graph whose head is not
             a MatMul on a constant weight, or ids outside it.
@@ -168,12 +179,17 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
     if head and own_head:
         others = [n.name for n in out.graph.node if n.op_type == "MatMul" and n.name != head]
         out = _nbits(out, bits=lm_head_bits, block_size=head_block, exclude=others, **opts)
+    fused = fuse.fuse_norms(out) if fuse_norms else None
+    if fuse_rotary and max_positions:
+        fused = dict(fused or {}, rotary=fuse.fuse_rotary(out, int(max_positions)),
+                     rotary_positions=int(max_positions))
     _save(out, dst)
     with_head = bool(lm_head and head)
     return {"method": "MatMulNBits", "bits": bits, "block_size": block_size, **opts,
             "lm_head": lm_head, "lm_head_bits": lm_head_bits if with_head else None,
             "lm_head_block_size": head_block if with_head else None, **_counts(out),
-            **({"head_rows": len(head_ids)} if head_ids is not None else {})}
+            **({"head_rows": len(head_ids)} if head_ids is not None else {}),
+            **({"fused": fused} if fused is not None else {})}
 
 
 def _slice_head(m, head: str | None, ids: Sequence[int]) -> None:
@@ -207,19 +223,25 @@ def _slice_head(m, head: str | None, ids: Sequence[int]) -> None:
 def quantize_int4(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
                   symmetric: bool = True, accuracy_level: int = 4, lm_head: bool = True,
                   lm_head_bits: int = 4, lm_head_block_size: int | None = None,
-                  head_ids: Sequence[int] | None = None) -> dict:
+                  head_ids: Sequence[int] | None = None, fuse_norms: bool = False,
+                  fuse_rotary: bool = False, max_positions: int | None = None) -> dict:
     """:func:`quantize_weights` at 4 bits (``lm_head_bits=8`` keeps the head at 8)."""
     return quantize_weights(src, dst, bits=4, block_size=block_size, symmetric=symmetric,
                             accuracy_level=accuracy_level, lm_head=lm_head,
                             lm_head_bits=lm_head_bits,
-                            lm_head_block_size=lm_head_block_size, head_ids=head_ids)
+                            lm_head_block_size=lm_head_block_size, head_ids=head_ids,
+                            fuse_norms=fuse_norms, fuse_rotary=fuse_rotary,
+                            max_positions=max_positions)
 
 
 def quantize_int8(src: str | os.PathLike, dst: str | os.PathLike, *, block_size: int = 32,
                   symmetric: bool = True, accuracy_level: int = 4,
-                  lm_head: bool = True) -> dict:
+                  lm_head: bool = True, fuse_norms: bool = False,
+                  fuse_rotary: bool = False, max_positions: int | None = None) -> dict:
     """:func:`quantize_weights` at 8 bits (MatMulNBits, int8 weights per block)."""
     return quantize_weights(src, dst, bits=8, block_size=block_size, symmetric=symmetric,
-                            accuracy_level=accuracy_level, lm_head=lm_head)
+                            accuracy_level=accuracy_level, lm_head=lm_head,
+                            fuse_norms=fuse_norms, fuse_rotary=fuse_rotary,
+                            max_positions=max_positions)
 
 
