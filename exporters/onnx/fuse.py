@@ -1,4 +1,4 @@
-"""RMSNorm fusion of an onnxruntime-only graph.
+"""RMSNorm and rotary-embedding fusion of an onnxruntime-only graph.
 
 A traced RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", §3:
 ``y = x / sqrt(mean(x^2) + eps) * g``) is seven ONNX nodes per norm::
@@ -24,6 +24,7 @@ parses, stay as traced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 
@@ -49,16 +50,11 @@ def fuse_norms(model) -> dict:
         FusionSimplifiedLayerNormalization, FusionSkipSimplifiedLayerNormalization)
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    log = logging.getLogger("fusion_base")      # onnxruntime's: one INFO line a fusion
-    level = log.level
-    log.setLevel(logging.WARNING)
-    try:
+    with _quiet():
         om = OnnxModel(model)
         FusionSimplifiedLayerNormalization(om).apply()
         FusionSkipSimplifiedLayerNormalization(om).apply()
-        om.prune_graph(allow_remove_graph_inputs=False)
-    finally:
-        log.setLevel(level)
+    _prune(model)
     ops = Counter(n.op_type for n in model.graph.node)
     return {key: ops[op] for op, key in FUSED_OPS.items()}
 
@@ -171,8 +167,9 @@ def fuse_rotary(model, max_positions: int) -> int:
         model: an ``onnx.ModelProto`` traced from a transformers decoder with the
             default rope (attention scaling 1; Llama, Qwen2).
         max_positions: positions the caches cover (the model's
-            ``max_position_embeddings``); a call with a larger position id fails in
-            onnxruntime.
+            ``max_position_embeddings``); onnxruntime fails a call with a larger
+            position id, which :class:`~edge_sdk.drafters.onnx.OnnxRunner` refuses
+            before the call (``OnnxRunner.max_positions``, from the manifest).
     Returns:
         the number of rotary embeddings fused (2 per layer on a decoder; 0 leaves the
         graph as it was).
@@ -217,4 +214,21 @@ def _prune(model) -> None:
     """Drop the nodes no graph output depends on (inputs kept)."""
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    OnnxModel(model).prune_graph(allow_remove_graph_inputs=False)
+    with _quiet():
+        OnnxModel(model).prune_graph(allow_remove_graph_inputs=False)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """onnxruntime's fusion loggers (an INFO line per fusion and prune) at WARNING
+    inside the block; their levels are put back on exit."""
+    logs = [logging.getLogger(n) for n in ("onnxruntime.transformers", "fusion_base",
+                                           "onnx_model")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
