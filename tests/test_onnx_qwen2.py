@@ -26,7 +26,7 @@ from edge_sdk.protocol.sampling import SamplingConfig
 from exporters.onnx.export import export_onnx
 from exporters.onnx.graph import export_graph
 from exporters.onnx.parity import check_parity
-from exporters.onnx.quantize import quantize_int4
+from exporters.onnx.quantize import quantize_int4, quantize_int8
 
 VOCAB, LAYERS, HEADS, KV_HEADS, HIDDEN = 512, 2, 4, 2, 64
 
@@ -155,6 +155,10 @@ def test_int4_norms_and_rotary_are_fused_and_draft_as_the_unfused_graph(exported
     info = quantize_int4(exported / "model.onnx", plain / "model.onnx",
                          lm_head_block_size=ONNX_VARIANTS["int4"]["lm_head_block_size"])
     assert "fused" not in info
+    info8 = quantize_int8(exported / "model.onnx", tmp_path / "q8" / "model.onnx",
+                          **{k: v for k, v in ONNX_VARIANTS["int8"].items() if k != "bits"},
+                          max_positions=512)
+    assert info8["int8_matmuls"] == 7 * LAYERS + 1 and info8["fused"]["rotary"] == 2 * LAYERS
     (plain / "specrelay_onnx.json").write_text(json.dumps(
         dict(_manifest(fused), quantization=info)))
     plain_ops = [n.op_type for n in onnx.load(str(plain / "model.onnx")).graph.node]
@@ -531,6 +535,10 @@ def test_runtime_builds_caches_and_reuses_onnx_int4(monkeypatch, tmp_path):
     man = _manifest(folder)
     assert man["cache_key"] == rt.cache_key(str(src), "int4")
     assert man["quantization"]["bits"] == 4 and man["fp32_parity"]["passed"]
+    # the first-use export fuses with the model's own rope length
+    assert man["max_positions"] == 512 and man["quantization"]["fused"] == {
+        "rms_norms": 1, "skip_rms_norms": 2 * LAYERS, "rotary": 2 * LAYERS,
+        "rotary_positions": 512}
     assert not (folder / "fp32").exists()
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
     mtime = (folder / "model.onnx").stat().st_mtime_ns
