@@ -6,6 +6,11 @@ on the same logits.
 
     python -m bench.probes.draft_step [--draft qwen2.5-coder-0.5b+onnx-int4]
         [--requests docs/figures/single16-1206/requests.jsonl] [--tokens 48] [--cpu 1]
+        [--target qwen2.5-coder-1.5b]
+
+``--draft`` is a draft spec or an ONNX export folder (which holds no tokenizer: the
+prompts are encoded with ``--target``'s, the pair's shared tokenizer, as
+``draft_quant`` does).
 
 For each ``cloud-ar`` record of the bench run (the target's own greedy continuations),
 the draft is synced to the prompt and then decodes its own greedy chain for
@@ -32,6 +37,7 @@ def main(argv=None) -> dict:
     from bench.probes.draft_quant import _continuations
     from edge_sdk.drafters.base import candidates, greedy_pick
     from edge_sdk.protocol.sampling import SamplingConfig, sample_next
+    from edge_sdk.models import load_tokenizer
     from specrelay_cli.options import make_drafter
     from specrelay_data.workloads import load_workload
 
@@ -40,13 +46,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", default="docs/figures/single16-1206/requests.jsonl")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cpu", type=int, default=1)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     a = ap.parse_args(argv)
     if a.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {a.cpu})
     import torch
 
     torch.set_num_threads(1)
-    drafter, tok = make_drafter(a.draft)
+    drafter, _ = make_drafter(a.draft)
+    tok = load_tokenizer(a.target)
     cfg = SamplingConfig()
     prompts = []
     for w in sorted({c[0] for c in _continuations(a.requests)}):
