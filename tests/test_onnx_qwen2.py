@@ -24,6 +24,7 @@ from edge_sdk.drafters.runtime import ONNX_VARIANTS
 from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.protocol.sampling import SamplingConfig
 from exporters.onnx.export import export_onnx
+from exporters.onnx.fuse import ROTARY_MARGIN
 from exporters.onnx.graph import export_graph
 from exporters.onnx.parity import check_parity
 from exporters.onnx.quantize import quantize_int4, quantize_int8
@@ -146,9 +147,10 @@ def test_int4_norms_and_rotary_are_fused_and_draft_as_the_unfused_graph(exported
     for v in ("int4", "int8"):
         assert ONNX_VARIANTS[v]["fuse_norms"] and ONNX_VARIANTS[v]["fuse_rotary"]
     fused = exported / "int4"
+    rope = 512 + ROTARY_MARGIN             # the config's positions and the margin
     assert _manifest(fused)["quantization"]["fused"] == {
         "rms_norms": 1, "skip_rms_norms": 2 * LAYERS, "rotary": 2 * LAYERS,
-        "rotary_positions": 512}
+        "rotary_positions": rope}
     ops = [n.op_type for n in onnx.load(str(fused / "model.onnx")).graph.node]
     assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Neg", "Cos", "Sin"} & set(ops)
     plain = tmp_path / "plain"
@@ -175,13 +177,19 @@ def test_int4_norms_and_rotary_are_fused_and_draft_as_the_unfused_graph(exported
         bf, bp = df.propose(ctx, 6, cfg), dp.propose(ctx, 6, cfg)
         assert bf.tokens == bp.tokens, f"round {rnd}"
         ctx = ctx + bf.tokens[:rnd] + [(7 * rnd + 3) % VOCAB]
-    # the rotary caches cover the config's 512 positions; past them, a clear refusal
-    assert (rf.max_positions, rp.max_positions) == (512, None)
-    with pytest.raises(ValueError, match="covers 512 positions.*needs 513"):
-        OnnxRunner(fused, threads=1).forward([5] * 513)
-    with pytest.raises(ValueError, match="covers 512 positions"):
-        OnnxDrafter.propose_many([df.fork(), df.fork()], [Proposal([5] * 8, 4, cfg),
-                                                          Proposal([5] * 510, 4, cfg)])
+    # the rotary caches cover the config's 512 positions and the margin, computed as
+    # the traced graph computes them (past the config's 512 too); past them, a clear
+    # refusal
+    assert (rf.max_positions, rp.max_positions) == (rope, None)
+    far = [(5 * i + 1) % VOCAB for i in range(rope - 4)]
+    rf.reset(), rp.reset()
+    lf, lp = rf.forward(far, last=4), rp.forward(far, last=4)
+    assert torch.allclose(lf, lp, atol=1e-2 * float(lp.abs().max()), rtol=0)
+    with pytest.raises(ValueError, match=f"covers {rope} positions.*needs {rope + 1}"):
+        rf.forward([5] * 5)
+    with pytest.raises(ValueError, match=f"covers {rope} positions"):
+        OnnxDrafter.propose_many([df.fork(), df.fork()],
+                                 [Proposal([5] * 8, 4, cfg), Proposal(far + [5, 5], 4, cfg)])
     forks = [df.fork() for _ in range(2)]
     props = [Proposal(ctx[:n], 3, cfg) for n in (5, len(ctx))]
     got = OnnxDrafter.propose_many(forks, props)
@@ -538,7 +546,7 @@ def test_runtime_builds_caches_and_reuses_onnx_int4(monkeypatch, tmp_path):
     # the first-use export fuses with the model's own rope length
     assert man["max_positions"] == 512 and man["quantization"]["fused"] == {
         "rms_norms": 1, "skip_rms_norms": 2 * LAYERS, "rotary": 2 * LAYERS,
-        "rotary_positions": 512}
+        "rotary_positions": 512 + ROTARY_MARGIN}
     assert not (folder / "fp32").exists()
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
     mtime = (folder / "model.onnx").stat().st_mtime_ns

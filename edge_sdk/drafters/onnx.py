@@ -258,8 +258,8 @@ class OnnxRunner:
         self.keeps_logits = KEEP_INPUT in self.input_names
         fused = (self.manifest.get("quantization") or {}).get("fused") or {}
         #: positions a graph with fused rotary embeddings has cos / sin rows for
-        #: (``exporters.onnx.fuse.fuse_rotary``; the model's ``max_position_embeddings``),
-        #: else None (the traced rope computes any position)
+        #: (``exporters.onnx.fuse.fuse_rotary``: the model's ``max_position_embeddings``
+        #: plus a margin), else None (the traced rope computes any position)
         self.max_positions = int(fused["rotary_positions"]) if fused.get("rotary") else None
         self.output_names = ["logits"] + [present_name(i, k) for i in range(self.num_layers)
                                           for k in ("key", "value")]
@@ -299,8 +299,8 @@ class OnnxRunner:
         :attr:`max_positions`: onnxruntime's RotaryEmbedding has no row for them."""
         if self.max_positions is not None and end > self.max_positions:
             raise ValueError(f"the draft graph covers {self.max_positions} positions "
-                             f"(its model's max_position_embeddings); this context needs "
-                             f"{end}")
+                             f"(its model's max_position_embeddings and a margin); this "
+                             f"context needs {end}")
 
     def feeds(self, new_ids: Sequence[int], last: int | None = None) -> dict[str, np.ndarray]:
         """Graph inputs appending ``new_ids`` [k] to the cached sequence; with a

@@ -74,7 +74,9 @@ ONNX_VARIANTS = {
 }
 #: 2: graphs take ``logits_to_keep`` (a prefill runs the LM head on its last row only).
 #: 3: grouped-query attention traced without repeating K and V per query head.
-_CACHE_FORMAT = 3
+#: 4: quantised graphs with fused RMSNorms and rotary embeddings (rope caches with a
+#: margin past ``max_position_embeddings``).
+_CACHE_FORMAT = 4
 
 #: ``export(spec, variant, echo=...) -> folder``: builds a missing cached export
 #: (:func:`exporters.onnx.first_use.ensure_onnx_export`).

@@ -28,6 +28,14 @@ import contextlib
 import logging
 from collections import Counter
 
+#: Positions past ``max_position_embeddings`` the rotary caches also cover. The traced
+#: rope computes any position, and a draft may feed a few past the context's end before
+#: the cloud refuses the block (422 ``context_full``): a proactive branch drafts up to a
+#: block beyond the one in flight (``MAX_DRAFT_TOKENS`` 16 each). With this margin the
+#: fused graph computes every position the traced one was asked for, so the cloud's
+#: refusal still comes first.
+ROTARY_MARGIN = 1024
+
 #: The fused ops, as counted in :func:`fuse_norms`'s result.
 FUSED_OPS = {"SimplifiedLayerNormalization": "rms_norms",
              "SkipSimplifiedLayerNormalization": "skip_rms_norms"}
@@ -167,9 +175,11 @@ def fuse_rotary(model, max_positions: int) -> int:
         model: an ``onnx.ModelProto`` traced from a transformers decoder with the
             default rope (attention scaling 1; Llama, Qwen2).
         max_positions: positions the caches cover (the model's
-            ``max_position_embeddings``); onnxruntime fails a call with a larger
-            position id, which :class:`~edge_sdk.drafters.onnx.OnnxRunner` refuses
-            before the call (``OnnxRunner.max_positions``, from the manifest).
+            ``max_position_embeddings`` plus :data:`ROTARY_MARGIN`, as
+            :func:`~exporters.onnx.quantize.quantize_weights` passes it); onnxruntime
+            fails a call with a larger position id, which
+            :class:`~edge_sdk.drafters.onnx.OnnxRunner` refuses before the call
+            (``OnnxRunner.max_positions``, from the manifest).
     Returns:
         the number of rotary embeddings fused (2 per layer on a decoder; 0 leaves the
         graph as it was).
