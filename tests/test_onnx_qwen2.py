@@ -196,6 +196,19 @@ def test_int4_norms_and_rotary_are_fused_and_draft_as_the_unfused_graph(exported
     assert [b.tokens for b in got] == [dp.propose(p.context, 3, cfg).tokens for p in props]
 
 
+def test_graph_profile_splits_a_decode_step_by_operator(exported):
+    """``bench.probes.graph_profile``: per decode step, each operator's kernel time and
+    calls from onnxruntime's profiler (the fused int4 graph: 7 MatMulNBits a layer and
+    the head, 2 RotaryEmbedding a layer), all kernels, and the whole run."""
+    from bench.probes.graph_profile import profile
+
+    p = profile(str(exported / "int4"), context=8, steps=3)
+    assert p["ops"]["MatMulNBits"]["calls"] == 7 * LAYERS + 1
+    assert p["ops"]["RotaryEmbedding"]["calls"] == 2 * LAYERS
+    assert "ReduceMean" not in p["ops"] and p["nodes"] > 0
+    assert 0 < p["kernel_ms"] <= p["run_ms"]
+
+
 def test_draft_quant_agreement_is_the_chains_accepted_length(exported):
     """bench.probes.draft_quant: teacher-forced on a continuation that is the graph's own
     greedy output, every position agrees and acc@D is the accepted length of a depth-D
