@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from edge_sdk.drafters.base import Proposal
-from edge_sdk.drafters.onnx import OnnxDrafter, OnnxRunner
+from edge_sdk.drafters.onnx import PREFILL_CHUNK, OnnxDrafter, OnnxRunner
 from edge_sdk.drafters.runtime import ONNX_VARIANTS
 from edge_sdk.drafters.torch import TorchDrafter
 from edge_sdk.protocol.sampling import SamplingConfig
@@ -203,6 +203,9 @@ def test_graph_profile_splits_a_decode_step_by_operator(exported):
     from bench.probes.graph_profile import profile
 
     p = profile(str(exported / "int4"), context=8, steps=3)
+    # a prefill longer than one graph call (PREFILL_CHUNK) is not counted as decode
+    long = profile(str(exported / "int4"), context=PREFILL_CHUNK + 8, steps=3)
+    assert long["ops"]["MatMulNBits"]["calls"] == 7 * LAYERS + 1
     assert p["ops"]["MatMulNBits"]["calls"] == 7 * LAYERS + 1
     assert p["ops"]["RotaryEmbedding"]["calls"] == 2 * LAYERS
     assert "ReduceMean" not in p["ops"] and p["nodes"] > 0

@@ -38,16 +38,18 @@ def profile(folder: str, context: int, steps: int) -> dict:
     r.forward_np([(7 * i + 11) % vocab for i in range(context)], last=1)
     for i in range(steps):
         r.forward_np([(13 * i + 5) % vocab], last=1)
-    events = json.load(open(r.session.end_profiling()))
+    with open(r.session.end_profiling()) as f:
+        events = json.load(f)
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    start = runs[1]["ts"]                       # the decode calls: every run after the prefill
+    runs = runs[-steps:]          # the decode calls (a long prefill runs in several chunks)
+    start = runs[0]["ts"]
     ms, calls = Counter(), Counter()
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= start:
             ms[e["args"]["op_name"]] += e["dur"] / 1000
             calls[e["args"]["op_name"]] += 1
     kernel = sum(ms.values()) / steps
-    run = sum(e["dur"] for e in runs[1:]) / 1000 / steps
+    run = sum(e["dur"] for e in runs) / 1000 / steps
     nodes = len(onnx.load(str(resolve_model_dir(folder)[1]), load_external_data=False).graph.node)
     return {"ops": {op: {"ms": round(t / steps, 3), "calls": calls[op] // steps}
                     for op, t in ms.most_common()},
