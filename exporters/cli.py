@@ -100,12 +100,11 @@ def _summary(man: dict, out: Path) -> dict:
 @click.option("--threads", type=int, default=None,
               help="torch / onnxruntime intra-op threads (default: all cores)")
 @click.option("--int4-block-size", type=int, default=None,
-              help="weights per int4 / int8 scale (default: the first-use export's, "
-              "edge_sdk.drafters.runtime.ONNX_VARIANTS)")
+              help="weights per int4 / int8 scale of the decoder layers (default: each "
+              "variant's first-use setting, edge_sdk.drafters.runtime.ONNX_VARIANTS)")
 @click.option("--int4-head-block-size", type=int, default=None,
               help="weights per scale of the int4 graph's LM head (default: the "
-              "first-use export's; there 1.11x the decode speed of the layers' block "
-              "size, same agreement)")
+              "first-use export's)")
 @click.option("--int4-head-vocab", type=click.IntRange(1), default=None,
               help="rows of the int4 graph's LM head: the most frequent tokens of the "
               "tokenizer's shipped ranking (FR-Spec; default: the first-use export's; "

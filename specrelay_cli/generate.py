@@ -129,7 +129,8 @@ def print_result(res, as_json: bool, title: str, note: str | None = None,
 @click.option("--api-key", envvar="SPECRELAY_API_KEY", default=None,
               help="API key (env SPECRELAY_API_KEY); omit for an --insecure-no-auth server.")
 @click.option("--draft", default=None, help="Draft model: preset, path, or an ONNX "
-              f"export folder (default: {DEFAULT_DRAFT}; for a smollm2 --tokenizer: "
+              "export folder (OUT+onnx-int4: its int4 graph) "
+              f"(default: {DEFAULT_DRAFT}; for a smollm2 --tokenizer: "
               f"{SMOLLM2_DRAFT}).")
 @click.option("--tokenizer", default=DEFAULT_TARGET, show_default=True,
               help="Tokenizer source when the draft has none (ONNX exports).")

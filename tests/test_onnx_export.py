@@ -50,12 +50,13 @@ def model():
 
 @pytest.fixture(scope="module")
 def exported(model, tmp_path_factory):
-    """Export through the CLI from a draft folder without tokenizer: fp32 + fp16 + int4."""
+    """Export through the CLI from a draft folder without tokenizer: fp32 + fp16 + int4
+    + int8."""
     src = tmp_path_factory.mktemp("draft")
     model.save_pretrained(src)
     out = tmp_path_factory.mktemp("onnx") / "tiny-onnx"
     r = CliRunner().invoke(export, ["onnx", str(src), "--out", str(out), "--fp16", "--int4",
-                                    "--threads", "1"])
+                                    "--int8", "--threads", "1"])
     assert r.exit_code == 0, r.output
     return out
 
@@ -96,11 +97,15 @@ def test_export_writes_graph_and_manifest_with_parity(exported):
         assert 0.0 <= agr["greedy_agreement"] <= 1.0 and agr["steps"] == 64
     q = _manifest(exported / "int4")["quantization"]
     assert q["quantized_matmuls"] >= 7 * LAYERS
-    # the CLI's unset block sizes are the first-use export's
+    # the CLI's unset block sizes are each variant's first-use setting (int4's decoder
+    # layers and int8 differ)
     from edge_sdk.drafters.runtime import ONNX_VARIANTS
     want = ONNX_VARIANTS["int4"]
     assert (q["block_size"], q["lm_head_block_size"]) == (want["block_size"],
                                                           want["lm_head_block_size"])
+    q8 = _manifest(exported / "int8")["quantization"]
+    assert q8["block_size"] == ONNX_VARIANTS["int8"]["block_size"] != want["block_size"]
+    assert q8["int8_matmuls"] == q8["quantized_matmuls"] >= 7 * LAYERS
 
 
 def test_parity_check_detects_a_different_model(exported):

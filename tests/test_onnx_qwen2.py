@@ -86,6 +86,31 @@ def test_qwen2_export_parity_and_manifest(exported):
         assert 0.0 <= _manifest(exported / v)["agreement_vs_fp32"]["greedy_agreement"] <= 1.0
 
 
+def test_an_export_folder_drafts_with_the_variant_its_suffix_names(exported):
+    """``specrelay export onnx --int4`` writes OUT (float32) and OUT/int4: ``OUT+onnx-int4``
+    drafts with OUT/int4, OUT as is with the float32 graph and one line saying so, and a
+    variant the folder lacks is refused in one line naming the ones it has."""
+    from edge_sdk.drafters import runtime as rt
+
+    said = []
+    d, tok = rt.build_drafter(str(exported), echo=said.append)
+    assert tok is None and d.runner.folder == exported
+    assert len(said) == 1 and "float32 graph" in said[0] and "fp16, int4" in said[0], said
+    assert f"{exported}+onnx-int4" in said[0]
+    for spec, kw in ((f"{exported}+onnx-int4", {}), (str(exported), {"runtime": "onnx-int4"})):
+        said.clear()
+        d4, _ = rt.build_drafter(spec, echo=said.append, **kw)
+        assert d4.runner.folder == exported / "int4" and not said
+        assert d4.manifest["quantization"]["bits"] == 4
+    assert rt.build_drafter(f"{exported}+onnx-fp32")[0].runner.folder == exported
+    with pytest.raises(ValueError, match=r"runs as onnx-fp32, onnx-fp16, onnx-int4 "):
+        rt.build_drafter(f"{exported}+onnx-int8")
+    # a graph folder without variants runs as is, silently
+    said.clear()
+    assert rt.build_drafter(str(exported / "int4"), echo=said.append)[0].runner.folder == (
+        exported / "int4") and not said
+
+
 def test_qwen2_attention_biases_are_in_the_graph(model, exported):
     """A model that differs only in one k_proj bias fails the parity check."""
     import copy
@@ -155,6 +180,7 @@ def test_int4_norms_and_rotary_are_fused_and_draft_as_the_unfused_graph(exported
     assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Neg", "Cos", "Sin"} & set(ops)
     plain = tmp_path / "plain"
     info = quantize_int4(exported / "model.onnx", plain / "model.onnx",
+                         block_size=ONNX_VARIANTS["int4"]["block_size"],
                          lm_head_block_size=ONNX_VARIANTS["int4"]["lm_head_block_size"])
     assert "fused" not in info
     info8 = quantize_int8(exported / "model.onnx", tmp_path / "q8" / "model.onnx",

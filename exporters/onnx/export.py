@@ -30,6 +30,7 @@ from exporters.onnx.quantize import quantize_int4, quantize_int8
 
 _QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
 _INT4 = ONNX_VARIANTS["int4"]   # the first-use export's settings: this module's defaults
+_INT8 = ONNX_VARIANTS["int8"]
 
 
 def _has_data(folder: Path) -> bool:
@@ -123,7 +124,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
                 parity: bool = True,
                 parity_steps: int = 64, prompts: Sequence[Sequence[int]] | None = None,
                 source: str | None = None,
-                int4_block_size: int = _INT4["block_size"],
+                int4_block_size: int | None = None,
                 int4_head_block_size: int | None = _INT4["lm_head_block_size"],
                 int4_head_vocab: int | None = None,
                 fuse_norms: bool = _INT4["fuse_norms"],
@@ -139,7 +140,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
         fp16: also export a float16 graph (float16 weights, KV and logits).
         int4: also write a weight-only int4 graph (MatMulNBits, float32 KV/logits).
         int8: also write a weight-only int8 graph (MatMulNBits 8 bits, float32 KV/logits).
-        int4_block_size: weights per scale of the int4 and int8 graphs.
+        int4_block_size: weights per scale of the int4 and int8 graphs (None: each
+            variant's first-use setting, 64 for int4's decoder layers and 32 for int8).
         int4_head_block_size: weights per scale of the int4 graph's LM head (None: as
             the layers; see :func:`~exporters.onnx.quantize.quantize_weights`). Both
             default to the first-use export's settings
@@ -185,11 +187,13 @@ def export_onnx(model, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET
     variants = _variants(model, path, out, [n for n, on in (("fp16", fp16), ("int4", int4),
                                                             ("int8", int8)) if on],
                          opset, source, verbose,
-                         {"int4": {"block_size": int4_block_size,
+                         {"int4": {"block_size": _INT4["block_size"] if int4_block_size is None
+                                   else int4_block_size,
                                    "lm_head_block_size": int4_head_block_size,
                                    "fuse_norms": fuse_norms, "fuse_rotary": fuse_rotary,
                                    **_head(tokenizer, int4_head_vocab, model)},
-                          "int8": {"block_size": int4_block_size,
+                          "int8": {"block_size": _INT8["block_size"] if int4_block_size is None
+                                   else int4_block_size,
                                    "fuse_norms": fuse_norms, "fuse_rotary": fuse_rotary}},
                          attention)
     _write_variants(out, variants, parity, prompts, parity_steps, threads)
