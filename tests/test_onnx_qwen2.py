@@ -105,10 +105,14 @@ def test_an_export_folder_drafts_with_the_variant_its_suffix_names(exported):
     assert rt.build_drafter(f"{exported}+onnx-fp32")[0].runner.folder == exported
     with pytest.raises(ValueError, match=r"runs as onnx-fp32, onnx-fp16, onnx-int4 "):
         rt.build_drafter(f"{exported}+onnx-int8")
-    # a graph folder without variants runs as is, silently
+    # a graph folder without variants runs as is, silently, and answers to its own name
     said.clear()
     assert rt.build_drafter(str(exported / "int4"), echo=said.append)[0].runner.folder == (
         exported / "int4") and not said
+    assert rt.build_drafter(f"{exported / 'int4'}+onnx-int4")[0].runner.folder == (
+        exported / "int4")
+    with pytest.raises(ValueError, match=r"runs as onnx-int4 \("):
+        rt.build_drafter(f"{exported / 'int4'}+onnx-fp32")
 
 
 def test_qwen2_attention_biases_are_in_the_graph(model, exported):

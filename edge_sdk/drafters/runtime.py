@@ -62,8 +62,8 @@ SUFFIX = "+"
 #: Export settings per ONNX variant; part of the cache key (a change rebuilds), and the
 #: defaults of ``specrelay export onnx``. The int4 decoder layers have 64 weights per
 #: scale and the LM head 128 (:func:`exporters.onnx.quantize.quantize_weights`,
-#: ``block_size`` / ``lm_head_block_size``: on Qwen2.5-Coder-0.5B, 64 decodes 1.15x as
-#: fast as 32 with the same agreement with the target; 128 loses agreement). The
+#: ``block_size`` / ``lm_head_block_size``: on Qwen2.5-Coder-0.5B, 64 decodes 1.11-1.17x
+#: as fast as 32 with the same agreement with the target; 128 loses agreement). The
 #: quantised graphs have their RMSNorms and rotary embeddings fused into onnxruntime's
 #: ops (``fuse_norms`` / ``fuse_rotary``, :mod:`exporters.onnx.fuse`).
 ONNX_VARIANTS = {
@@ -274,24 +274,34 @@ def _variant_dirs(folder: Path) -> list[str]:
     return sorted(d.name for d in folder.iterdir() if (d / MANIFEST_NAME).is_file())
 
 
+def _own_variant(folder: Path) -> str:
+    """The variant a graph folder holds, from its manifest's ``dtype`` (``float32`` ->
+    ``fp32``, ``float16`` -> ``fp16``, ``int4``, ``int8``)."""
+    from edge_sdk.drafters.onnx import MANIFEST_NAME
+
+    dtype = json.loads((folder / MANIFEST_NAME).read_text()).get("dtype", "float32")
+    return {"float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
+
+
 def export_variant(folder: Path, runtime: str | None) -> Path:
-    """The graph folder of ``runtime`` (``onnx-int4`` -> ``folder/int4``, ``onnx-fp32``
-    -> ``folder``) in an export folder written by ``specrelay export onnx``.
+    """The graph folder of ``runtime`` in an export folder written by ``specrelay export
+    onnx``: its own graph (``onnx-fp32`` for OUT, ``onnx-int4`` for OUT/int4) or a
+    variant beside it (``onnx-int4`` -> OUT/int4). None: the folder as is.
 
     Raises:
         ValueError: ``runtime`` is not an ONNX runtime, or the folder has no such
             variant (the message lists the ones it has).
     """
-    if runtime is None or runtime == "onnx-fp32":
+    if runtime is None:
         return folder
-    have = _variant_dirs(folder)
+    have = {_own_variant(folder): folder, **{v: folder / v for v in _variant_dirs(folder)}}
     name = runtime.split("-", 1)[1] if runtime.startswith("onnx-") else None
-    if name is None or name not in have:
-        runs = ", ".join(["onnx-fp32"] + [f"onnx-{v}" for v in have])
+    if name not in have:
+        runs = ", ".join(f"onnx-{v}" for v in have)
         raise ValueError(f"draft {folder}+{runtime}: this export folder runs as {runs} "
                          f"(`specrelay export onnx --int4 / --int8 / --fp16` writes the "
                          f"others)")
-    return folder / name
+    return have[name]
 
 
 def _say_variants(folder: Path, echo: Callable[[str], None] | None) -> None:

@@ -118,7 +118,7 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, *, bits: in
     Args:
         src / dst: ``.onnx`` files. bits: 4 or 8.
         block_size: weights per scale (power of 2, >= 16). On Qwen2.5-Coder-0.5B (one
-            core, int8 activations, head at 128) the decoder layers at 64 decode 1.15x
+            core, int8 activations, head at 128) the decoder layers at 64 decode 1.11-1.17x
             as fast as at 32 with the same agreement with the target; at 128 they lose
             agreement (acc@8 on MT-Bench 4.01 -> 3.65; ``python -m
             bench.probes.draft_quant``).
