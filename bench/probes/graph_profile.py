@@ -32,14 +32,15 @@ def profile(folder: str, context: int, steps: int) -> dict:
 
     so = make_session_options(1)
     so.enable_profiling = True
-    so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "ort")
-    r = OnnxRunner(folder, "cpu", session_options=so)
-    vocab = min(r.vocab_size, 32000)
-    r.forward_np([(7 * i + 11) % vocab for i in range(context)], last=1)
-    for i in range(steps):
-        r.forward_np([(13 * i + 5) % vocab], last=1)
-    with open(r.session.end_profiling()) as f:
-        events = json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:        # the profile file goes with it
+        so.profile_file_prefix = os.path.join(tmp, "ort")
+        r = OnnxRunner(folder, "cpu", session_options=so)
+        vocab = min(r.vocab_size, 32000)
+        r.forward_np([(7 * i + 11) % vocab for i in range(context)], last=1)
+        for i in range(steps):
+            r.forward_np([(13 * i + 5) % vocab], last=1)
+        with open(r.session.end_profiling()) as f:
+            events = json.load(f)
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
     runs = runs[-steps:]          # the decode calls (a long prefill runs in several chunks)
     start = runs[0]["ts"]

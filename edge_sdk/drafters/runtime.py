@@ -241,16 +241,16 @@ def build_drafter(spec: str, runtime: str | None = None, *, dtype: str | None = 
 
     if prefill not in PREFILLS:
         raise ValueError(f"unknown draft prefill {prefill!r} (one of {', '.join(PREFILLS)})")
-    if (Path(spec) / MANIFEST_NAME).is_file():          # an export folder, as is
+    # an export folder, as is or with a suffix naming one of its variants
+    spec, suffix = ((spec, None) if (Path(spec) / MANIFEST_NAME).is_file()
+                    else split_runtime(spec))
+    runtime = runtime or suffix
+    if (Path(spec) / MANIFEST_NAME).is_file():
         if runtime is None:
             _say_variants(Path(spec), echo)
         folder = export_variant(Path(spec), runtime)
         return OnnxDrafter(folder, providers=providers, threads=threads or 1), None
-    spec, suffix = split_runtime(spec)
-    if (Path(spec) / MANIFEST_NAME).is_file():          # an export folder + a runtime
-        folder = export_variant(Path(spec), runtime or suffix)
-        return OnnxDrafter(folder, providers=providers, threads=threads or 1), None
-    runtime = runtime or suffix or "torch"
+    runtime = runtime or "torch"
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown draft runtime {runtime!r} (one of {', '.join(RUNTIMES)})")
     if runtime.startswith("onnx-"):
