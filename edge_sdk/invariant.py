@@ -75,13 +75,20 @@ def row_limit(mod: torch.nn.Module, upto: int = CALIBRATE_ROWS) -> int:
     weights only up to 4), beyond which the reduction order changes (and changes back)
     with M; its other layers keep them past 64."""
     g = torch.Generator().manual_seed(0)
-    dtype = next((p.dtype for p in mod.parameters()), torch.bfloat16)   # packed: bf16
+    dtype = _weight_dtype(mod)
     x = torch.randn(1, upto + upto % 2, mod.in_features, generator=g).to(dtype)
     ref = torch.cat([_base_forward(mod, x[:, i:i + 2]) for i in range(0, x.shape[1], 2)], 1)
     for m in range(3, upto + 1):
         if not torch.equal(_base_forward(mod, x[:, :m]), ref[:, :m]):
             return m - 1
     return upto
+
+
+def _weight_dtype(mod: torch.nn.Module) -> torch.dtype:
+    """A linear layer's weight dtype (a packed layer without parameters: its
+    ``weight_dtype``)."""
+    return next((p.dtype for p in mod.parameters()),
+                getattr(mod, "weight_dtype", torch.bfloat16))
 
 
 class _RowInvariantLinear:
@@ -187,7 +194,7 @@ def _machine_key() -> str:
 def _limit_key(mod: torch.nn.Module, machine: str) -> str:
     """What a layer's kernels depend on: its type, shape, weight layout, bias and dtype,
     and ``machine`` (:func:`_machine_key`)."""
-    dtypes = ",".join(str(p.dtype) for p in mod.parameters())
+    dtypes = ",".join(str(p.dtype) for p in mod.parameters()) or str(_weight_dtype(mod))
     w = getattr(mod, "weight", None)
     layout = tuple(w.stride()) if isinstance(w, torch.Tensor) else "packed"
     return (f"{type(mod).__name__}|{mod.in_features}x{mod.out_features}|{layout}|"

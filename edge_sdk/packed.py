@@ -10,8 +10,18 @@ Qwen2.5-Coder-1.5B bf16 after a 200-token context, a 1-token pass 322 -> 110 ms 
 7-token verify pass 296 -> 166 ms (``python -m bench.probes.pass_cost``), with logits
 bit-identical to the unpacked model (the same oneDNN kernels, minus the reorder).
 
-Only bfloat16 weights are packed; a model in another dtype, or a build without oneDNN,
-is left as it is. :func:`pack_linears` checks one input per layer against ``F.linear``
+Serving loads also pack float32 weights (:data:`SERVING_DTYPES`), for the row-invariant
+verifier (:mod:`edge_sdk.invariant`): on a CPU without AVX-512 (a 2-core AMD EPYC with
+AVX2 only, MKL's float32 ``F.linear`` keeps each row's result the same only for inputs of
+up to 3 rows, so a 9-token verify pass ran as three weight streams and a 64-token one as
+22), oneDNN's packed float32 kernel keeps rows alike up to 64 and costs about the same
+for 1 and 2 rows. Qwen2.5-Coder-1.5B float32 after a 200-token context, one thread,
+row-invariant: a 1-token pass 734 -> 444 ms, 9 tokens 2,937 -> 739 ms, 64 tokens 18.9 ->
+3.0 s; without row invariance 398 -> 393, 1,213 -> 758 and 3,210 -> 3,116 ms
+(``SPECRELAY_PACKED=0|1 python -m bench.probes.pass_cost qwen2.5-coder-1.5b float32
+1,9,64 1 1``, last argument 0: without). Other
+dtypes (float16), or a build without oneDNN, are left as they are. :func:`pack_linears`
+checks one input per layer against ``F.linear``
 and keeps a layer unpacked where they differ, unless ``require_equal=False`` -- what
 the serving load (:func:`edge_sdk.models.load_model` with ``packed=True``) asks for:
 there the target alone and every verify pass run the same packed model, and its
@@ -32,9 +42,12 @@ import os
 import torch
 
 __all__ = ["PackedLinear", "pack_linears", "packing_supported", "packed_default",
-           "try_pack"]
+           "try_pack", "SERVING_DTYPES"]
 
 log = logging.getLogger(__name__)
+
+SERVING_DTYPES = (torch.bfloat16, torch.float32)
+"""Weight dtypes a serving load (``load_model(packed=True)``) packs."""
 
 
 def packed_default() -> bool:
@@ -50,18 +63,24 @@ def packed_default() -> bool:
     return v == "1"
 
 
-def packing_supported() -> bool:
-    """True when this torch build has oneDNN and its linear packing ops."""
-    return bool(torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def packing_supported(dtype: torch.dtype | None = None) -> bool:
+    """True when this torch build has oneDNN and its linear packing ops, and (``dtype``
+    bfloat16) oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, so a CPU with AVX2 only packs float32 alone."""
+    ok = bool(torch.backends.mkldnn.is_available()
+              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+              and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    if ok and dtype == torch.bfloat16:
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        ok = bool(probe()) if probe is not None else True
+    return ok
 
 
 class PackedLinear(torch.nn.Module):
     """``y = x W^T + b`` with ``W`` [out, in] prepacked for oneDNN.
 
     Args:
-        linear: the ``nn.Linear`` to replace (CPU, bfloat16).
+        linear: the ``nn.Linear`` to replace (CPU, bfloat16 or float32).
         keep_dense: keep the dense weight as ``.weight`` (the output embedding).
     Input [..., in] -> output [..., out], the input's dtype.
     """
@@ -70,7 +89,12 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        # the batch-size hint picks oneDNN's kernel: 1 for bf16 (decode-shaped), none for
+        # float32, whose 1-row kernel costs twice as much at 2 rows (a row-invariant
+        # one-row pass runs as two rows)
+        hint = 1 if w.dtype == torch.bfloat16 else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, hint)
+        self.weight_dtype = w.dtype
         self.bias = None if linear.bias is None else linear.bias
         self.weight = linear.weight if keep_dense else None
 
@@ -91,12 +115,16 @@ def _agrees(linear: torch.nn.Linear, packed: PackedLinear) -> bool:
 
 
 def try_pack(linear: torch.nn.Linear, keep_dense: bool = False,
-             require_equal: bool = True) -> PackedLinear | None:
-    """``linear`` packed, or None where it stays as it is: not a CPU bfloat16 weight, a
-    build without oneDNN packing, a shape oneDNN refuses, or (``require_equal``) a
-    packed output that is not bit-identical to ``F.linear`` on a probe input."""
+             require_equal: bool = True,
+             dtypes: tuple = (torch.bfloat16,)) -> PackedLinear | None:
+    """``linear`` packed, or None where it stays as it is: not a CPU weight of one of
+    ``dtypes``, a build without oneDNN packing, a shape oneDNN refuses, or
+    (``require_equal``) a packed output that is not bit-identical to ``F.linear`` on a
+    probe input (float32: oneDNN and MKL round differently, so only with
+    ``require_equal=False``)."""
     w = linear.weight
-    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not packing_supported():
+    if (w.device.type != "cpu" or w.dtype not in dtypes
+            or not packing_supported(w.dtype)):
         return None
     try:
         new = PackedLinear(linear, keep_dense=keep_dense)
@@ -106,9 +134,10 @@ def try_pack(linear: torch.nn.Linear, keep_dense: bool = False,
         return None
 
 
-def pack_linears(model: torch.nn.Module, require_equal: bool = True) -> int:
-    """Replace the model's CPU bfloat16 ``nn.Linear`` layers by :class:`PackedLinear`,
-    in place (:func:`try_pack` per layer). ``require_equal=False`` packs every layer
+def pack_linears(model: torch.nn.Module, require_equal: bool = True,
+                 dtypes: tuple = (torch.bfloat16,)) -> int:
+    """Replace the model's CPU ``nn.Linear`` layers whose weights are of ``dtypes``
+    (default bfloat16) by :class:`PackedLinear`, in place (:func:`try_pack` per layer). ``require_equal=False`` packs every layer
     oneDNN accepts, also those whose packed kernel rounds differently from ``F.linear``
     (18 of Qwen2.5-Coder-1.5B's 28 down-projections): what a serving engine wants, whose
     target alone and verify passes all run the packed model, and whose row-invariant
@@ -127,9 +156,10 @@ def pack_linears(model: torch.nn.Module, require_equal: bool = True) -> int:
     for pn, cn in sites:
         parent = model.get_submodule(pn)
         child = getattr(parent, cn)
-        new = try_pack(child, keep_dense=child is out_emb, require_equal=require_equal)
+        new = try_pack(child, keep_dense=child is out_emb, require_equal=require_equal,
+                       dtypes=dtypes)
         if new is None:
-            skipped += child.weight.dtype == torch.bfloat16
+            skipped += child.weight.dtype in dtypes
             continue
         setattr(parent, cn, new)
         del child, new

@@ -134,18 +134,30 @@ def test_make_row_invariant_keeps_weights_types_and_is_idempotent():
         make_row_invariant(m, max_rows=0)
 
 
-def test_packed_linears_are_made_row_invariant_too():
-    from edge_sdk.packed import pack_linears, packing_supported
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_packed_linears_are_made_row_invariant_too(dtype):
+    """A packed target (what serving loads run, float32 included) keeps every row of a
+    verify pass and of a longer catch-up pass equal to its one-token decode, with its
+    packed layers' row limits measured on their own kernel (float32 and bf16 packed
+    layers of one shape are told apart)."""
+    from edge_sdk.invariant import _limit_key, _machine_key
+    from edge_sdk.packed import PackedLinear, pack_linears, packing_supported
 
-    if not packing_supported():
-        pytest.skip("this torch build has no oneDNN linear packing")
-    m = _model(torch.bfloat16, seed=2)
-    assert pack_linears(m) > 0
+    if not packing_supported(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    m = _model(dtype, seed=2)
+    assert pack_linears(m, require_equal=False, dtypes=(dtype,)) == 2 * 7 + 1
     make_row_invariant(m)
-    ref = _decode(m, CTX, BLOCK)
+    down = m.model.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear) and down.specrelay_rows >= 2
+    assert str(dtype) in _limit_key(down, _machine_key())
+    long = BLOCK + list(range(40, 60))
+    ref = _decode(m, CTX, long)
     kv = KVModel(m)
     kv.forward(CTX)
-    assert torch.equal(kv.forward(BLOCK), ref)
+    assert torch.equal(kv.forward(BLOCK), ref[:len(BLOCK)])
+    kv.crop(len(CTX))
+    assert torch.equal(kv.forward(long), ref)
 
 
 def test_the_verifier_makes_its_target_row_invariant_unless_asked_not_to(monkeypatch):

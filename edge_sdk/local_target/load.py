@@ -95,7 +95,8 @@ def open_local_target(name: str, budget: str | int | float, storage: str = "nvme
     store = Storage(folder / "model.safetensors", parse_profile(storage))
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     s = sizes_of(store, config)
-    packed = packed_default() and packing_supported() and dtype == "bfloat16"
+    packed = (packed_default() and dtype == "bfloat16"
+              and packing_supported(torch.bfloat16))
     from edge_sdk.local_target.quant import int4_supported
 
     drafts = ("exit", "skip") + (("quant",) if quant and dtype == "bfloat16"

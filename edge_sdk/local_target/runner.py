@@ -127,7 +127,8 @@ class OffloadedTarget:
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self.model.eval().requires_grad_(False)
-        self.packed = bool(packed and dtype == torch.bfloat16 and packing_supported())
+        self.packed = bool(packed and dtype == torch.bfloat16
+                           and packing_supported(torch.bfloat16))
         self._load_resident(self.packed and pack_head, draft_ids)
         if self.packed:
             for i in sorted(self.resident):
