@@ -14,8 +14,8 @@ Serving loads also pack float32 weights (:data:`SERVING_DTYPES`), for the row-in
 verifier (:mod:`edge_sdk.invariant`): on a CPU without AVX-512 (a 2-core AMD EPYC with
 AVX2 only, MKL's float32 ``F.linear`` keeps each row's result the same only for inputs of
 up to 3 rows, so a 9-token verify pass ran as three weight streams and a 64-token one as
-22), oneDNN's packed float32 kernel keeps rows alike up to 64 and costs about the same
-for 1 and 2 rows. Qwen2.5-Coder-1.5B float32 after a 200-token context, one thread,
+22), oneDNN's packed float32 kernel keeps rows alike up to 64 and a second row costs it
+little (a row-invariant one-row pass runs as two rows). Qwen2.5-Coder-1.5B float32 after a 200-token context, one thread,
 row-invariant: a 1-token pass 734 -> 444 ms, 9 tokens 2,937 -> 739 ms, 64 tokens 18.9 ->
 3.0 s; without row invariance 398 -> 393, 1,213 -> 758 and 3,210 -> 3,116 ms
 (``SPECRELAY_PACKED=0|1 python -m bench.probes.pass_cost qwen2.5-coder-1.5b float32
