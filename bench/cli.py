@@ -100,7 +100,8 @@ def _cpus(value: str | None) -> list[int] | None:
               help="The cloud's WISV decision head for the `wisv` mode (semantic "
               "acceptance, greedy cells only), as `specrelay serve --wisv-head`.")
 @click.option("--draft", default=None,
-              help="Draft model (default: qwen2.5-coder-0.5b; for a smollm2 target its "
+              help="Draft model: preset, path, or an ONNX export folder (OUT+onnx-int4: "
+              "its int4 graph) (default: qwen2.5-coder-0.5b; for a smollm2 target its "
               "trained draft smollm2-135m-draft).")
 @click.option("--edge-slowdown", type=click.FloatRange(1.0), default=1.0, show_default=True,
               help="Edge contention: each draft forward takes FACTOR times as long ... "
