@@ -12,15 +12,15 @@ bit-identical to the unpacked model (the same oneDNN kernels, minus the reorder)
 
 Serving loads also pack float32 weights (:data:`SERVING_DTYPES`), for the row-invariant
 verifier (:mod:`edge_sdk.invariant`): on a CPU without AVX-512 (a 2-core AMD EPYC with
-AVX2 only, MKL's float32 ``F.linear`` keeps each row's result the same only for inputs of
-up to 3 rows, so a 9-token verify pass ran as three weight streams and a 64-token one as
-22), oneDNN's packed float32 kernel keeps rows alike up to 64 and a second row costs it
-little (a row-invariant one-row pass runs as two rows). Qwen2.5-Coder-1.5B float32 after a 200-token context, one thread,
-row-invariant: a 1-token pass 734 -> 444 ms, 9 tokens 2,937 -> 739 ms, 64 tokens 18.9 ->
-3.0 s; without row invariance 398 -> 393, 1,213 -> 758 and 3,210 -> 3,116 ms
-(``SPECRELAY_PACKED=0|1 python -m bench.probes.pass_cost qwen2.5-coder-1.5b float32
-1,9,64 1 1``, last argument 0: without). Other
-dtypes (float16), or a build without oneDNN, are left as they are. :func:`pack_linears`
+AVX2 only) MKL's float32 ``F.linear`` keeps each row's result the same only for inputs
+of up to 3 rows, so a 9-token verify pass ran as three weight streams and a 64-token one
+as 22; oneDNN's packed float32 kernel keeps rows alike up to 64, and a second row costs
+it little (a row-invariant one-row pass runs as two rows). Qwen2.5-Coder-1.5B float32
+after a 200-token context, one thread, row-invariant: a 1-token pass 734 -> 444 ms, 9
+tokens 2,937 -> 739 ms, 64 tokens 18.9 -> 3.0 s; without row invariance 398 -> 393,
+1,213 -> 758 and 3,210 -> 3,116 ms (``SPECRELAY_PACKED=0|1 python -m
+bench.probes.pass_cost qwen2.5-coder-1.5b float32 1,9,64 1 1``, last argument 0:
+without). float16, or a build without oneDNN, is left as it is. :func:`pack_linears`
 checks one input per layer against ``F.linear``
 and keeps a layer unpacked where they differ, unless ``require_equal=False`` -- what
 the serving load (:func:`edge_sdk.models.load_model` with ``packed=True``) asks for:
@@ -137,7 +137,8 @@ def try_pack(linear: torch.nn.Linear, keep_dense: bool = False,
 def pack_linears(model: torch.nn.Module, require_equal: bool = True,
                  dtypes: tuple = (torch.bfloat16,)) -> int:
     """Replace the model's CPU ``nn.Linear`` layers whose weights are of ``dtypes``
-    (default bfloat16) by :class:`PackedLinear`, in place (:func:`try_pack` per layer). ``require_equal=False`` packs every layer
+    (default bfloat16) by :class:`PackedLinear`, in place (:func:`try_pack` per
+    layer). ``require_equal=False`` packs every layer
     oneDNN accepts, also those whose packed kernel rounds differently from ``F.linear``
     (18 of Qwen2.5-Coder-1.5B's 28 down-projections): what a serving engine wants, whose
     target alone and verify passes all run the packed model, and whose row-invariant

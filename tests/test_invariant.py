@@ -134,7 +134,8 @@ def test_make_row_invariant_keeps_weights_types_and_is_idempotent():
         make_row_invariant(m, max_rows=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32],
+                         ids=["bfloat16", "float32"])
 def test_packed_linears_are_made_row_invariant_too(dtype):
     """A packed target (what serving loads run, float32 included) keeps every row of a
     verify pass and of a longer catch-up pass equal to its one-token decode, with its

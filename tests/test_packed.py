@@ -26,8 +26,9 @@ def bf16(seed=0, **kw):
     return tiny_model(seed=seed, hidden=64, layers=2, vocab=64, **kw).to(torch.bfloat16)
 
 
-needs_bf16 = pytest.mark.skipif(not packing_supported(torch.bfloat16),
-                                reason="oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT")
+needs_bf16 = pytest.mark.skipif(
+    not packing_supported(torch.bfloat16),
+    reason="oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT")
 
 
 def _packable(dtype):
