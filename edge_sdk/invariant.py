@@ -8,10 +8,14 @@ holds -- "batch invariance" (H. He and Thinking Machines Lab, *Defeating Nondete
 LLM Inference*, 2025, "batch-invariant kernels"). On this project's CPU target (bf16,
 oneDNN) three kernels are not:
 
-- **linear layers with one row**: a one-row matmul takes a matrix-vector path whose
+- **linear layers with one row**: a one-row matmul may take a matrix-vector path whose
   reduction order differs from the matrix-matrix kernel's (seen on Qwen2.5-Coder-1.5B's
-  ``down_proj``, K = 8960); from two rows on, every row of the output is bit for bit
-  the same whatever the row count. Fix: a one-row input runs as two copies of the row.
+  ``down_proj``, K = 8960, bf16 on oneDNN); from two rows on, every row of the output is
+  bit for bit the same whatever the row count. Fix: a one-row input runs as two copies
+  of the row -- unless the layer's one-row kernel is measured to agree with its two-row
+  one (:func:`one_row_agrees`, once per layer shape and machine: oneDNN's packed float32
+  kernel on an AVX2-only CPU does, for every layer of that model), which then skips the
+  second row's cost.
 - **attention over a block**: scaled-dot-product attention over k new queries with a
   causal mask reduces each query's keys in another order than the same query alone
   over its visible keys. Fix: each new token attends in its own call, over exactly its
@@ -47,7 +51,8 @@ import torch
 
 from edge_sdk.row_attention import invariant_pass
 
-__all__ = ["INVARIANT_MAX_ROWS", "make_row_invariant", "invariant_rows", "row_limit"]
+__all__ = ["INVARIANT_MAX_ROWS", "make_row_invariant", "invariant_rows", "one_row_agrees",
+           "row_limit"]
 
 INVARIANT_MAX_ROWS = 64
 """New tokens of a pass (per session in a batched pass) up to which each row is computed
@@ -84,6 +89,25 @@ def row_limit(mod: torch.nn.Module, upto: int = CALIBRATE_ROWS) -> int:
     return upto
 
 
+@torch.inference_mode()
+def one_row_agrees(mod: torch.nn.Module, rows: int = 4) -> bool:
+    """Whether each of ``rows`` seeded random rows, run alone ([1, 1, in]), comes out bit
+    for bit as in a 2-row input [1, 2, in] with a second random row (the reference of
+    :func:`row_limit`). False where the one-row input takes a matrix-vector path with
+    another reduction order (bf16 on oneDNN, seen on an AMX Xeon; MKL's float32
+    ``F.linear`` on an AVX2-only EPYC). True for all 197 linear layers of
+    Qwen2.5-Coder-1.5B on oneDNN's packed float32 kernel on that EPYC, where running a
+    one-row input alone makes a one-token pass ~5-10 % cheaper
+    (``python -m bench.probes.one_row``)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2 * rows, mod.in_features, generator=g).to(_weight_dtype(mod))
+    for i in range(0, 2 * rows, 2):
+        pair = _base_forward(mod, x[:, i:i + 2])
+        if not torch.equal(_base_forward(mod, x[:, i:i + 1]), pair[:, :1]):
+            return False
+    return True
+
+
 def _weight_dtype(mod: torch.nn.Module) -> torch.dtype:
     """A linear layer's weight dtype (a packed layer without parameters: its
     ``weight_dtype``)."""
@@ -92,17 +116,20 @@ def _weight_dtype(mod: torch.nn.Module) -> torch.dtype:
 
 
 class _RowInvariantLinear:
-    """Mixin for a linear layer (``specrelay_rows`` = its :func:`row_limit` L): a one-row
-    input [..., 1, in] runs as two copies of the row and returns row 0; inside a
-    row-invariant pass (:func:`edge_sdk.row_attention.invariant_pass`) an input of more
-    than L rows runs in balanced pieces of 2..L rows. Other inputs are unchanged."""
+    """Mixin for a linear layer (``specrelay_rows`` = its :func:`row_limit` L;
+    ``specrelay_one_row`` = :func:`one_row_agrees`): a one-row input [..., 1, in] runs as
+    two copies of the row and returns row 0, unless the layer's one-row kernel agrees;
+    inside a row-invariant pass (:func:`edge_sdk.row_attention.invariant_pass`) an input
+    of more than L rows runs in balanced pieces of 2..L rows. Other inputs are
+    unchanged."""
 
     specrelay_rows = 2
     specrelay_pieces = True
+    specrelay_one_row = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[:-1].numel()
-        if x.dim() >= 2 and m == 1:
+        if x.dim() >= 2 and m == 1 and not self.specrelay_one_row:
             return super().forward(torch.cat([x, x], dim=-2)).narrow(-2, 0, 1)
         if m <= self.specrelay_rows or not self.specrelay_pieces or not invariant_pass():
             return super().forward(x)
@@ -128,7 +155,8 @@ def make_row_invariant(model: torch.nn.Module, max_rows: int = INVARIANT_MAX_ROW
                        pieces: bool = True) -> torch.nn.Module:
     """Make ``model``'s passes of at most ``max_rows`` new tokens row-invariant, in place:
     its linear layers (``nn.Linear`` and :class:`edge_sdk.packed.PackedLinear`, found as
-    modules with ``in_features``/``out_features``) run one-row inputs as two rows and,
+    modules with ``in_features``/``out_features``) run one-row inputs as two rows (where
+    their one-row kernel does not agree, :func:`one_row_agrees`) and,
     in such passes, more rows than their kernels keep row-invariant (:func:`row_limit`,
     checked once per layer shape and machine: ~5 s for a 1.5B model, mostly its
     152k-row LM head, then read from ``row_limits.json`` in the cache) in pieces;
@@ -161,9 +189,13 @@ def make_row_invariant(model: torch.nn.Module, max_rows: int = INVARIANT_MAX_ROW
         if hasattr(mod, "in_features") and hasattr(mod, "out_features"):
             mod.__class__ = _invariant_class(type(mod))
             key = _limit_key(mod, machine)
+            one = key + "|one-row"
             if key not in found:             # same shape, same kernels: checked once
                 found[key] = known[key] if key in known else row_limit(mod)
+            if one not in found:
+                found[one] = known[one] if one in known else int(one_row_agrees(mod))
             mod.specrelay_rows = found[key]
+            mod.specrelay_one_row = bool(found[one])
             mod.specrelay_pieces = bool(pieces)
     if any(k not in known for k in found):
         _save_limits({**known, **found})

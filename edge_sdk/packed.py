@@ -90,8 +90,8 @@ class PackedLinear(torch.nn.Module):
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # the batch-size hint picks oneDNN's kernel: 1 for bf16 (decode-shaped), none for
-        # float32, whose 1-row kernel costs twice as much at 2 rows (a row-invariant
-        # one-row pass runs as two rows)
+        # float32, whose 1-row kernel costs twice as much at 2 rows (every verify pass
+        # has 2 or more)
         hint = 1 if w.dtype == torch.bfloat16 else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, hint)
         self.weight_dtype = w.dtype

@@ -161,6 +161,43 @@ def test_packed_linears_are_made_row_invariant_too(dtype):
     assert torch.equal(kv.forward(long), ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32],
+                         ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_a_one_row_input_runs_alone_only_where_its_kernel_agrees(dtype, packed):
+    """Each layer's one-row decision is what its kernel does on this machine: where a
+    one-row input agrees bit for bit with the same row in a two-row input it runs alone
+    (no second row's cost), elsewhere as two copies of the row; either way a one-row
+    output is the two-row reference's row, and the decision is cached with the row
+    limits."""
+    from edge_sdk.invariant import (_base_forward, _limit_key, _load_limits, _machine_key,
+                                    one_row_agrees)
+    from edge_sdk.packed import pack_linears, packing_supported
+
+    if packed and not packing_supported(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    m = _model(dtype, seed=3)
+    if packed:
+        pack_linears(m, require_equal=False, dtypes=(dtype,))
+    make_row_invariant(m)
+    known = _load_limits()
+    g = torch.Generator().manual_seed(5)
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
+        lin = m.model.layers[0].get_submodule(name)
+        def base(t, lin=lin):                       # the layer's own kernel
+            return _base_forward(lin, t)
+        assert lin.specrelay_one_row == one_row_agrees(lin), name
+        assert known[_limit_key(lin, _machine_key()) + "|one-row"] == lin.specrelay_one_row
+        x = torch.randn(1, 2, lin.in_features, generator=g).to(dtype)
+        one = lin(x[:, :1])
+        assert torch.equal(one, lin(x)[:, :1]), name           # row-invariant either way
+        if lin.specrelay_one_row:
+            assert torch.equal(one, base(x[:, :1])), name        # ran alone
+        else:
+            assert torch.equal(one, base(torch.cat([x[:, :1]] * 2, 1))[:, :1]), name
+            assert not torch.equal(base(x[:, :1]), base(x)[:, :1]), name
+
+
 def test_the_verifier_makes_its_target_row_invariant_unless_asked_not_to(monkeypatch):
     from cloud_api.verifier import Verifier
 

@@ -12,7 +12,9 @@ oneDNN-prepacked linears (``SPECRELAY_PACKED=0``: plain ``F.linear``); for B > 1
 the largest difference between a session's logits in the batched pass and in its own
 unbatched pass (``max|dlogit|``; 0: bit for bit the same). INVARIANT ``1`` (default,
 as the cloud's verifier serves) makes the passes row-invariant
-(:mod:`edge_sdk.invariant`), ``0`` leaves the model's own attention.
+(:mod:`edge_sdk.invariant`), ``0`` leaves the model's own attention, ``2`` is ``1``
+with every one-row input run as two rows (the rule before each layer's one-row kernel
+was checked, :func:`edge_sdk.invariant.one_row_agrees`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ def main(target: str = "qwen2.5-coder-1.5b", dtype: str = "bfloat16",
 
     torch.set_num_threads(1)
     m, _ = load_model(target, dtype=dtype, packed=packed_default())
-    if invariant == "1":
+    if invariant in ("1", "2"):
         make_row_invariant(m)
+        lins = [x for x in m.modules() if hasattr(x, "specrelay_one_row")]
+        for x in lins if invariant == "2" else ():
+            x.specrelay_one_row = False
+        print(f"{sum(x.specrelay_one_row for x in lins)} of {len(lins)} linear layers run "
+              "a one-row input alone", flush=True)
     out = {}
     for B in (int(x) for x in batches.split(",")):
         for n in (int(x) for x in sizes.split(",")):
