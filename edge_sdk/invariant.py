@@ -95,9 +95,9 @@ def one_row_agrees(mod: torch.nn.Module, rows: int = 4) -> bool:
     for bit as in a 2-row input [1, 2, in] with a second random row (the reference of
     :func:`row_limit`). False where the one-row input takes a matrix-vector path with
     another reduction order (bf16 on oneDNN, seen on an AMX Xeon; MKL's float32
-    ``F.linear`` on an AVX2-only EPYC). True for all 197 linear layers of
-    Qwen2.5-Coder-1.5B on oneDNN's packed float32 kernel on that EPYC, where running a
-    one-row input alone makes a one-token pass ~5-10 % cheaper
+    ``F.linear`` on the test models' shapes on an AVX2-only EPYC). True for all 197
+    linear layers of Qwen2.5-Coder-1.5B on oneDNN's packed float32 kernel on that EPYC,
+    where running a one-row input alone makes a one-token pass ~5-10 % cheaper
     (``python -m bench.probes.one_row``)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 2 * rows, mod.in_features, generator=g).to(_weight_dtype(mod))

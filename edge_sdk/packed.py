@@ -14,8 +14,9 @@ Serving loads also pack float32 weights (:data:`SERVING_DTYPES`), for the row-in
 verifier (:mod:`edge_sdk.invariant`): on a CPU without AVX-512 (a 2-core AMD EPYC with
 AVX2 only) MKL's float32 ``F.linear`` keeps each row's result the same only for inputs
 of up to 3 rows, so a 9-token verify pass ran as three weight streams and a 64-token one
-as 22; oneDNN's packed float32 kernel keeps rows alike up to 64, and a second row costs
-it little (a row-invariant one-row pass runs as two rows). Qwen2.5-Coder-1.5B float32
+as 22; oneDNN's packed float32 kernel keeps rows alike up to 64, and its one-row input
+agrees with its two-row one, so a one-token pass runs one row
+(:func:`edge_sdk.invariant.one_row_agrees`). Qwen2.5-Coder-1.5B float32
 after a 200-token context, one thread, row-invariant: a 1-token pass 734 -> 444 ms, 9
 tokens 2,937 -> 739 ms, 64 tokens 18.9 -> 3.0 s; without row invariance 398 -> 393,
 1,213 -> 758 and 3,210 -> 3,116 ms (``SPECRELAY_PACKED=0|1 python -m
@@ -148,7 +149,8 @@ def pack_linears(model: torch.nn.Module, require_equal: bool = True,
     or dtype)."""
     if not packing_supported():
         return 0
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_emb = (model.get_output_embeddings() if hasattr(model, "get_output_embeddings")
+               else None)
     # names first, modules fetched one at a time: a replaced dense weight is freed before
     # the next one is packed (the transient peak is one linear, not the whole model)
     sites = [(pn, cn) for pn, parent in model.named_modules()
