@@ -273,7 +273,8 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
             (:mod:`edge_sdk.packed`: inference only, every layer oneDNN accepts, some
             rounding differently from ``F.linear``; bf16 ~2-3x faster CPU passes,
             float32 verify passes ~1.6x and, row-invariant on an AVX2 CPU, 1.7-6x);
-            float16 is left as it is.
+            float16 is left as it is. The checkpoint pages the packing read are then
+            given back (:mod:`edge_sdk.mapped_pages`).
     Returns:
         ``(model, tokenizer)``.
     Raises:
@@ -292,9 +293,15 @@ def load_model(spec: ModelSpec | str, dtype: str = "float32", threads: int | Non
     model = model.to(DTYPES[dtype]).eval()
     model.requires_grad_(False)
     if packed:
+        from edge_sdk.mapped_pages import (file_maps_of, model_tensors,
+                                           release_checkpoint_pages)
         from edge_sdk.packed import SERVING_DTYPES, pack_linears
 
-        pack_linears(model, require_equal=False, dtypes=SERVING_DTYPES)
+        maps = file_maps_of(model_tensors(model))
+        if pack_linears(model, require_equal=False, dtypes=SERVING_DTYPES):
+            freed = release_checkpoint_pages(maps)
+            if freed:
+                log.info("packed; gave back %.2f GB of checkpoint pages", freed / 1e9)
     return model, load_tokenizer(spec)
 
 

@@ -30,9 +30,10 @@ row-invariant passes (:mod:`edge_sdk.invariant`) need the packed kernel's row li
 
 Packing is for serving only: a packed module has no autograd and its packed weight is
 an opaque oneDNN tensor (no ``state_dict`` entry, not traceable by the ONNX exporter).
-The dense weight is dropped except for the output embedding (kept as ``.weight``: it is
-usually tied to the input embedding, so it costs nothing, and exit-head fingerprints
-read it).
+The dense weight is dropped except for the output embedding (kept as ``.weight``:
+exit-head fingerprints and subset heads read it). Tied to the input embedding it costs
+nothing; untied (the Qwen2.5-Coder GGUFs carry their own output matrix) it stays in the
+checkpoint's file map, resident only while read (:mod:`edge_sdk.mapped_pages`).
 """
 
 from __future__ import annotations
