@@ -5,7 +5,7 @@ that map. Prepacking (:mod:`edge_sdk.packed`) copies every linear weight into on
 layout, after which the dense weights are not read again, yet each page the packing read
 stays in the process's resident set (``RssFile``) for as long as the map lives, which is
 as long as any tensor of the file does (the input embedding, the norms). A float32
-Qwen2.5-Coder-1.5B serving load showed VmRSS 12.6 GB: 6.5 GB of packed weights and 6.1 GB
+Qwen2.5-Coder-1.5B serving load showed VmRSS 12.9 GB: 6.6 GB of packed weights and 6.3 GB
 of the checkpoint's file pages. The kernel can reclaim clean file pages, but they count in
 RSS, in the OOM killer's score and in a container's memory charge.
 
