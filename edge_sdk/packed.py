@@ -152,8 +152,11 @@ def pack_linears(model: torch.nn.Module, require_equal: bool = True,
         return 0
     out_emb = (model.get_output_embeddings() if hasattr(model, "get_output_embeddings")
                else None)
-    # names first, modules fetched one at a time: a replaced dense weight is freed before
-    # the next one is packed (the transient peak is one linear, not the whole model)
+    # names first, modules fetched one at a time: a replaced dense weight is dropped
+    # before the next one is packed. In anonymous memory that frees it (the transient
+    # peak is one linear); a view of a checkpoint's file map stays resident until
+    # load_model gives the map's pages back after the loop (edge_sdk.mapped_pages), so
+    # there the peak is the whole checkpoint plus the packed weights
     sites = [(pn, cn) for pn, parent in model.named_modules()
              for cn, child in parent.named_children() if type(child) is torch.nn.Linear]
     n = skipped = 0
